@@ -1,0 +1,62 @@
+# Two commands for users: `make demo` and `make test`. Both run `make setup`
+# first, which builds everything into .venv and is a no-op the second time.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hvrep-setup-done
+NP ?= 2
+# Open MPI refuses to run as root unless told; CI and containers are root.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+SETUP_INPUTS := requirements.txt setup.py $(wildcard hvrep/compat/*.py hvrep/compat/*.cc) \
+	$(shell find hvrep/compat/include -type f 2>/dev/null)
+
+.PHONY: help setup demo test lint check-gpu-build clean clean-cache
+
+help:
+	@echo "make demo   - set up, then train the demo on $(NP) ranks (horovodrun --gloo)"
+	@echo "make test   - set up, then lint and run the whole test suite"
+	@echo "make setup  - create .venv with the pinned stack, Horovod and the DALI plugin"
+	@echo "make check-gpu-build - build Horovod with CUDA/NCCL in a throwaway env (slow, GBs)"
+
+setup: $(STAMP)
+
+$(STAMP): $(SETUP_INPUTS)
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null || \
+		{ echo "hvrep needs Python 3.11 (TensorFlow 2.21 + Horovod 0.28.1); found $(PYTHON). Fix: make PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# tensorflow-cpu on CPU machines, tensorflow[and-cuda] where a GPU answers.
+	if nvidia-smi -L 2>/dev/null | grep -q GPU; then \
+		sed 's/^tensorflow-cpu==/tensorflow[and-cuda]==/' requirements.txt > $(VENV)/requirements.txt; \
+	else cp requirements.txt $(VENV)/requirements.txt; fi
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r $(VENV)/requirements.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m hvrep.compat.build_horovod
+	$(BIN)/python -m hvrep.compat.build_dali_plugin
+	$(BIN)/hvrep doctor --require tensorflow,horovod,mpi,gloo,dali > $(VENV)/doctor.txt || \
+		{ cat $(VENV)/doctor.txt; exit 1; }
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(BIN)/python -m hvrep.demo
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+check-gpu-build: setup
+	$(BIN)/python -m hvrep.compat.check_gpu_build
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+clean-cache:
+	rm -rf "$${HVREP_CACHE_DIR:-$$HOME/.cache/hvrep}"

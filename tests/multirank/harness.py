@@ -1,0 +1,111 @@
+"""Launches runner.py under a real launcher and collects every rank's results."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+BIN = Path(sys.executable).parent
+NP = 2
+LAUNCHERS = ("mpirun", "horovodrun")
+
+
+def case_modules() -> list[Path]:
+    """The case files every launcher runs: tests/multirank/cases_*.py."""
+    return sorted(HERE.glob("cases_*.py"))
+
+
+def case_names(path: Path) -> list[str]:
+    """The ``case_*`` functions of a case file, in order, without importing it."""
+    tree = ast.parse(path.read_text())
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("case_")]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Two ranks on a 2-core machine: keep TensorFlow from oversubscribing it.
+    env.setdefault("TF_NUM_INTEROP_THREADS", "1")
+    env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    # Open MPI refuses root unless told; CI runs as root.
+    if os.geteuid() == 0:
+        env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+        env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    return env
+
+
+def command(launcher: str, out: Path, modules: list[Path], np: int = NP, only: str = "") -> list[str]:
+    runner = [str(HERE / "runner.py"), "--out", str(out), *(["--only", only] if only else []),
+              *map(str, modules)]
+    if launcher == "mpirun":
+        # `python -m mpi4py` turns an uncaught exception on one rank into an
+        # MPI_Abort of the whole job instead of leaving the others hanging.
+        return [str(BIN / "mpirun"), "-np", str(np), "--oversubscribe", "--bind-to", "none",
+                sys.executable, "-m", "mpi4py", *runner]
+    if launcher == "horovodrun":
+        return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+                sys.executable, *runner]
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+@dataclass
+class LaunchResult:
+    launcher: str
+    returncode: int | None  # None: timed out
+    output: str
+    # (module, case) -> {rank: record}
+    cases: dict[tuple[str, str], dict[int, dict]] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    started: dict[int, int] = field(default_factory=dict)  # rank -> size it saw
+
+    def explain(self, module: str, case: str, np: int = NP) -> str | None:
+        """None if the case passed on every rank, else why not."""
+        recs = self.cases.get((module, case), {})
+        problems = []
+        for rank in range(np):
+            rec = recs.get(rank)
+            if rec is None:
+                problems.append(f"rank {rank}: no result")
+            elif rec.get("event") == "begin":
+                problems.append(f"rank {rank}: started and never finished (hung or crashed)")
+            elif rec["status"] != "ok":
+                problems.append(f"rank {rank} failed:\n{rec['error']}")
+        if not problems:
+            return None
+        status = "timed out" if self.returncode is None else f"exit code {self.returncode}"
+        tail = "\n".join(self.output.splitlines()[-40:])
+        return f"{self.launcher} ({status}) {module}::{case}\n" + "\n".join(problems) + f"\n--- output tail ---\n{tail}"
+
+
+def launch(launcher: str, out: Path, modules: list[Path], np: int = NP, timeout: float = 420,
+           only: str = "") -> LaunchResult:
+    """Runs the case modules under ``launcher`` with ``np`` ranks, once."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(command(launcher, out, modules, np, only), cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=timeout)
+        rc: int | None = proc.returncode
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = None
+        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    result = LaunchResult(launcher, rc, output)
+    for path in sorted(out.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            rank = rec["rank"]
+            if rec["event"] in ("begin", "end"):
+                result.cases.setdefault((rec["module"], rec["case"]), {})[rank] = rec
+            elif rec["event"] == "done":
+                result.done.add(rank)
+            elif rec["event"] == "start":
+                result.started[rank] = rec["size"]
+    return result
