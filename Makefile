@@ -39,7 +39,7 @@ $(STAMP): $(SETUP_INPUTS)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/python -m hvrep.compat.build_horovod
 	$(BIN)/python -m hvrep.compat.build_dali_plugin
-	$(BIN)/hvrep doctor --require tensorflow,horovod,mpi,gloo,dali > $(VENV)/doctor.txt || \
+	$(BIN)/hvrep doctor --require tensorflow,horovod,mpi,gloo,dali > $(VENV)/doctor.txt 2>&1 || \
 		{ cat $(VENV)/doctor.txt; exit 1; }
 	touch $(STAMP)
 

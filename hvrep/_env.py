@@ -50,6 +50,10 @@ SLURM_JOB_ID = "SLURM_JOB_ID"
 # Devices.
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
+# The C/C++ compiler's extra include path (the Horovod build extends it).
+CPATH = "CPATH"
+CPLUS_INCLUDE_PATH = "CPLUS_INCLUDE_PATH"
+
 LAUNCHER_VARS: tuple[str, ...] = (
     OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
     OMPI_COMM_WORLD_LOCAL_SIZE, OMPI_COMM_WORLD_NODE_RANK,
@@ -74,3 +78,11 @@ def cache_dir() -> Path:
 
 def cuda_visible_devices() -> str | None:
     return os.environ.get(CUDA_VISIBLE_DEVICES)
+
+
+def compiler_include_dirs() -> list[Path]:
+    """The folders CPATH and CPLUS_INCLUDE_PATH add to the C++ compiler's search."""
+    dirs: list[Path] = []
+    for var in (CPATH, CPLUS_INCLUDE_PATH):
+        dirs += [Path(p) for p in os.environ.get(var, "").split(os.pathsep) if p]
+    return dirs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from hvrep._version import __version__
@@ -48,6 +49,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    # Keep TensorFlow's C++ start-up chatter out of the command's output.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         return int(args.func(args))
     except HvrepError as e:

