@@ -47,6 +47,16 @@ SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
 SLURM_STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 
+# Horovod's knobs, which it reads once at hvd.init(); hvrep writes them from CommConfig.
+HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
+
+# CUDA toolkit location (the GPU build of Horovod).
+CUDA_HOME = "CUDA_HOME"
+
+# TPUs.
+TPU_NAME = "TPU_NAME"
+
 # Devices.
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -86,3 +96,26 @@ def compiler_include_dirs() -> list[Path]:
     for var in (CPATH, CPLUS_INCLUDE_PATH):
         dirs += [Path(p) for p in os.environ.get(var, "").split(os.pathsep) if p]
     return dirs
+
+
+def set_horovod_knobs(fusion_threshold_bytes: int, cycle_time_ms: float) -> None:
+    """Hands CommConfig's values to Horovod, which reads them at ``hvd.init()``.
+
+    A value the user exported wins: it is how Horovod users tune a job without
+    touching code, and hvrep should not silently override it.
+    """
+    os.environ.setdefault(HOROVOD_FUSION_THRESHOLD, str(fusion_threshold_bytes))
+    os.environ.setdefault(HOROVOD_CYCLE_TIME, str(cycle_time_ms))
+
+
+def tpu_name() -> str:
+    return os.environ.get(TPU_NAME, "")
+
+
+def tpu_hint() -> bool:
+    """A TPU is likely attached: TPU_NAME is set or /dev/accel0 exists (TPU VM)."""
+    return bool(tpu_name()) or Path("/dev/accel0").exists()
+
+
+def cuda_home() -> str | None:
+    return os.environ.get(CUDA_HOME)

@@ -183,6 +183,25 @@ def _nccl_home() -> Path:
     return home
 
 
+def _cuda_home() -> Path:
+    """The CUDA toolkit folder: $CUDA_HOME, /usr/local/cuda, or nvcc's grandparent.
+
+    `nvcc` on PATH may be a wrapper script (as on this project's machines), so
+    its location alone does not find the toolkit's include/ and lib64/.
+    """
+    candidates = [_env.cuda_home(), "/usr/local/cuda"]
+    nvcc = _which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    for c in candidates:
+        if c and (Path(c) / "include" / "cuda_runtime.h").is_file():
+            return Path(c)
+    raise SetupError(
+        "cannot find the CUDA toolkit (include/cuda_runtime.h) for the NCCL build. Fix: set CUDA_HOME to "
+        "the toolkit folder, or pass --gpu off."
+    )
+
+
 def _build_env(plan: BuildPlan) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = _search_path()
@@ -201,11 +220,11 @@ def _build_env(plan: BuildPlan) -> dict[str, str]:
         MAKEFLAGS=f"-j{os.cpu_count() or 2}",
     )
     if plan.gpu:
-        nvcc = _which("nvcc")
-        assert nvcc is not None
+        cuda = _cuda_home()
         env.update(
             HOROVOD_GPU_OPERATIONS="NCCL",
-            HOROVOD_CUDA_HOME=str(Path(nvcc).resolve().parent.parent),
+            HOROVOD_CUDA_HOME=str(cuda),
+            CUDACXX=str(cuda / "bin" / "nvcc"),
             HOROVOD_NCCL_HOME=str(_nccl_home()),
             CXXFLAGS=(env.get("CXXFLAGS", "") + f" -include {GPU_COMPAT_HEADER}").strip(),
         )
