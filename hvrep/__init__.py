@@ -10,7 +10,27 @@ from hvrep.placement import Placement, resolve_placement
 
 # GPU (NCCL) builds of Horovod need the stream shim loaded before
 # horovod.tensorflow; doing it here lets users `import hvrep` and then import
-# Horovod themselves. A no-op (and no TensorFlow import) on CPU builds.
+# Horovod themselves. A no-op on CPU builds.
 _compat.load_runtime_shim()
 
-__all__ = ["Placement", "__version__", "errors", "resolve_placement"]
+from hvrep import layers  # noqa: E402
+from hvrep.backends.base import InputContext  # noqa: E402
+from hvrep.collectives import all_gather, all_reduce, broadcast, num_replicas, replica_id  # noqa: E402
+from hvrep.config import CommConfig  # noqa: E402
+from hvrep.replicator import Replicator  # noqa: E402
+
+__all__ = [
+    "CommConfig",
+    "InputContext",
+    "Placement",
+    "Replicator",
+    "__version__",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "errors",
+    "layers",
+    "num_replicas",
+    "replica_id",
+    "resolve_placement",
+]

@@ -17,3 +17,15 @@ class LauncherError(HvrepError):
 
 class ConfigError(HvrepError, ValueError):
     """A configuration value is unknown or out of range."""
+
+
+class CollectiveError(HvrepError, ValueError):
+    """A collective was misused: outside ``Replicator.run``, an unknown op, a dtype a backend cannot reduce."""
+
+
+class ReplicaMismatchError(HvrepError):
+    """Replicas issued different collectives (shapes, dtypes, order); continuing would hang."""
+
+
+class ScopeError(HvrepError):
+    """A variable that must start identical on every replica was created outside ``Replicator.scope()``."""

@@ -1,0 +1,56 @@
+"""Frozen, validated configuration for cross-replica communication."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hvrep.errors import ConfigError
+
+COMPRESSIONS = ("none", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How gradients and other values cross replicas.
+
+    Attributes:
+      fusion_threshold_bytes: hvrep packs the tensors of one ``all_reduce``
+        call into contiguous buffers of at most this many bytes (in the order
+        given, which for gradients is the order the backward pass produced
+        them) and issues one collective per buffer. 0 turns fusion off (one
+        collective per tensor). Default: Horovod's own default, 128 MiB
+        (``horovod/common/operations.cc``), which fits all of ResNet-50's
+        fp32 gradients (102 MB) in one buffer. Also passed to Horovod as
+        ``HOROVOD_FUSION_THRESHOLD``.
+      cycle_time_ms: Horovod's background-thread cycle time
+        (``HOROVOD_CYCLE_TIME``). Default: Horovod's, 1 ms.
+      compression: "none", "fp16" or "bf16": the dtype floating-point
+        buffers travel in. fp16 halves the bytes on every backend. bf16 keeps
+        fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
+        refuses it (see README, "Backends and what they support").
+      num_groups: 0 to bucket by ``fusion_threshold_bytes``; N > 0 to split
+        the tensors into N groups of about equal bytes instead (Horovod's
+        ``num_groups``).
+      check_first_step: before the first step of each ``run`` function
+        executes, compare the collectives every replica traced (kind, dtype,
+        shape) and raise on a mismatch instead of hanging in Horovod.
+    """
+
+    fusion_threshold_bytes: int = 128 * 1024 * 1024
+    cycle_time_ms: float = 1.0
+    compression: str = "none"
+    num_groups: int = 0
+    check_first_step: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fusion_threshold_bytes, int) or self.fusion_threshold_bytes < 0:
+            raise ConfigError(
+                f"fusion_threshold_bytes must be an int >= 0, got {self.fusion_threshold_bytes!r}; "
+                "0 turns fusion off."
+            )
+        if not self.cycle_time_ms > 0:
+            raise ConfigError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms!r}.")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
+        if not isinstance(self.num_groups, int) or self.num_groups < 0:
+            raise ConfigError(f"num_groups must be an int >= 0, got {self.num_groups!r}.")

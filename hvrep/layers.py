@@ -1,0 +1,39 @@
+"""Layers whose statistics span all replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from hvrep import collectives
+
+
+class CrossReplicaBatchNorm(keras.layers.BatchNormalization):
+    """BatchNormalization whose batch moments are computed over every replica's batch.
+
+    With N replicas of batch B it normalises exactly as BatchNormalization does
+    on the concatenated N×B batch (TF-Replicator used it for SN-GAN). The sum,
+    sum of squares and count cross replicas in one fused all-reduce; it must
+    run inside ``Replicator.run`` when training. Masks are not supported.
+    Outside a replica step (e.g. a plain ``model(x)`` call for inspection) it
+    behaves as ordinary BatchNormalization.
+    """
+
+    def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
+        from hvrep.replicator import _live
+
+        if mask is not None:
+            raise NotImplementedError("CrossReplicaBatchNorm does not support masks.")
+        if _live is None or not _live._backend.in_replica:
+            return super()._moments(inputs, mask)
+        x = tf.cast(inputs, tf.float32)
+        axes = list(self._reduction_axes)
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), tf.float32)
+        total, total_sq, n = collectives.all_reduce(
+            [tf.reduce_sum(x, axes), tf.reduce_sum(tf.square(x), axes), count], "sum"
+        )
+        mean = total / n
+        variance = tf.maximum(total_sq / n - tf.square(mean), 0.0)
+        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)

@@ -1,0 +1,89 @@
+"""The replica API's core promise, shared by the in-process and multi-rank tests:
+K steps with N replicas x batch B equal K steps with 1 replica x batch N*B."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hvrep
+
+K, B, SEED = 5, 4, 1234
+
+
+def data(num_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(K * num_replicas * B, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 10, size=(K * num_replicas * B,)).astype(np.int32)
+    return x, y
+
+
+def make_model(seed: int = SEED) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ])
+
+
+def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
+    return keras.optimizers.SGD(0.1, momentum=0.9 if kind == "momentum" else 0.0)
+
+
+def _loss(model: keras.Model, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    logits = model(x, training=True)
+    return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+
+def reference(kind: str, num_replicas: int) -> list[np.ndarray]:
+    """One replica, global batch num_replicas*B, plain TensorFlow."""
+    x, y = data(num_replicas)
+    model, opt = make_model(), make_optimizer(kind)
+    gb = num_replicas * B
+    for k in range(K):
+        with tf.GradientTape() as tape:
+            loss = _loss(model, x[k * gb:(k + 1) * gb], y[k * gb:(k + 1) * gb])
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    return [v.numpy() for v in model.weights]
+
+
+def replicated(repl: hvrep.Replicator, kind: str, init_seed: int = SEED, wrap: bool = False) -> list[np.ndarray]:
+    """The same training through hvrep: each replica takes its B of every global batch."""
+    n = repl.num_replicas
+    x, y = data(n)
+    with repl.scope():
+        model, opt = make_model(init_seed), make_optimizer(kind)
+        if wrap:
+            opt = repl.wrap_optimizer(opt)
+
+    def input_fn(ctx: hvrep.InputContext) -> tf.data.Dataset:
+        b, r = ctx.per_replica_batch_size, ctx.replica_id
+        idx = np.concatenate([np.arange(k * n * b + r * b, k * n * b + (r + 1) * b) for k in range(K)])
+        return tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).batch(b)
+
+    def step(xb: tf.Tensor, yb: tf.Tensor) -> dict:
+        with tf.GradientTape() as tape:
+            loss = _loss(model, xb, yb)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if not wrap:
+            grads = hvrep.all_reduce(grads, "mean")
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return {"loss": loss}
+
+    steps = 0
+    for xb, yb in repl.distribute_dataset(input_fn, global_batch_size=n * B):
+        out = repl.run(step, args=(xb, yb))
+        loss = repl.reduce(out["loss"], "mean")
+        assert np.isfinite(loss)
+        steps += 1
+    assert steps == K, steps
+    return [np.asarray(v.numpy()) for v in model.weights]
+
+
+def max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b, strict=True))

@@ -1,0 +1,216 @@
+"""The replica API on the horovod backend, on every rank (see runner.py). Fails by raising.
+
+Every case calls the same collectives on every rank before it asserts, so a
+failure on one rank does not leave the other waiting in a collective.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hvrep
+from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError
+from tests import fidelity
+
+_repl = None
+
+
+def repl() -> hvrep.Replicator:
+    global _repl
+    if _repl is None:
+        _repl = hvrep.Replicator("horovod")
+    return _repl
+
+
+@contextlib.contextmanager
+def replicator_with(config: hvrep.CommConfig):
+    global _repl
+    repl().close()
+    _repl = None
+    _repl = hvrep.Replicator("horovod", config=config)
+    try:
+        yield _repl
+    finally:
+        _repl.close()
+        _repl = None
+
+
+def _rank() -> int:
+    return hvrep.resolve_placement().rank
+
+
+def _same_on_all_ranks(weights):
+    """Max difference between this rank's weights and rank 0's, as seen by every rank."""
+    r = repl()
+    flat = np.concatenate([w.ravel() for w in weights]).astype(np.float32)
+    out = r.run(lambda t: hvrep.broadcast(t, root=0), args=(tf.constant(flat),))
+    return r.reduce(tf.reduce_max(tf.abs(out - flat)), "max")
+
+
+def _fidelity(kind, wrap=False):
+    r = repl()
+    # A different initialisation on each rank: scope() must broadcast rank 0's.
+    got = fidelity.replicated(r, kind, init_seed=fidelity.SEED + 1000 * _rank(), wrap=wrap)
+    want = fidelity.reference(kind, r.num_replicas)
+    drift = _same_on_all_ranks(got)
+    assert r.num_replicas == 2 and r.backend == "horovod"
+    assert fidelity.max_difference(got, want) <= 1e-5, fidelity.max_difference(got, want)
+    assert drift == 0.0, drift
+
+
+def case_fidelity_plain_sgd():
+    _fidelity("sgd")
+
+
+def case_fidelity_momentum():
+    _fidelity("momentum")
+
+
+def case_fidelity_wrap_optimizer():
+    _fidelity("momentum", wrap=True)
+
+
+def case_is_chief_on_exactly_one_rank():
+    r = repl()
+    chiefs = r.reduce(tf.constant(int(r.is_chief)), "sum")
+    assert chiefs == 1, chiefs
+
+
+def case_collectives_on_nested_structures_and_dtypes():
+    r, me = repl(), _rank()
+    v = float(me + 1)  # 1 on rank 0, 2 on rank 1
+
+    def step():
+        value = {
+            "f32": tf.fill([2, 3], v),
+            "pair": (tf.constant([v, -v], tf.float16), tf.constant([me + 1, 7], tf.int32)),
+            "bf16": tf.constant([v], tf.bfloat16),
+            "unused": None,
+        }
+        return {op: hvrep.all_reduce(value, op) for op in ("sum", "mean", "max", "min")} | {
+            "gather0": hvrep.all_gather(tf.fill([1, 2], v), axis=0),
+            "gather1": hvrep.all_gather(tf.fill([2, 1], v), axis=1),
+            "gather_bf16": hvrep.all_gather(tf.constant([v], tf.bfloat16), axis=0),
+            "bcast": hvrep.broadcast((tf.constant(v), tf.constant([me], tf.int32)), root=1),
+            "id": hvrep.replica_id(),
+            "n": tf.constant(hvrep.num_replicas()),
+        }
+
+    out = r.run(step)
+    expect = {"sum": (3.0, 3), "mean": (1.5, 1), "max": (2.0, 2), "min": (1.0, 1)}
+    for op, (fv, iv) in expect.items():
+        o = out[op]
+        np.testing.assert_allclose(o["f32"].numpy(), np.full([2, 3], fv))
+        assert o["f32"].dtype == tf.float32
+        np.testing.assert_allclose(o["pair"][0].numpy(), [fv, -{"max": 1.0, "min": 2.0}.get(op, fv)])
+        assert o["pair"][0].dtype == tf.float16
+        np.testing.assert_array_equal(o["pair"][1].numpy(), [iv, {"sum": 14}.get(op, 7)])
+        assert o["pair"][1].dtype == tf.int32  # integer mean keeps the dtype: 3 // 2 == 1
+        assert o["bf16"].dtype == tf.bfloat16
+        np.testing.assert_allclose(tf.cast(o["bf16"], tf.float32).numpy(), [fv])
+        assert o["unused"] is None
+    np.testing.assert_array_equal(out["gather0"].numpy(), [[1, 1], [2, 2]])
+    np.testing.assert_array_equal(out["gather1"].numpy(), [[1, 2], [1, 2]])
+    np.testing.assert_array_equal(tf.cast(out["gather_bf16"], tf.float32).numpy(), [1, 2])
+    assert float(out["bcast"][0]) == 2.0 and out["bcast"][1].numpy().tolist() == [1]
+    assert int(out["id"]) == me and int(out["n"]) == 2
+
+
+def case_reduce_returns_the_same_numpy_on_every_rank():
+    r, me = repl(), _rank()
+    got = r.reduce({"a": tf.constant([me + 1.0, 4.0]), "b": tf.constant(me + 2)}, "mean")
+    np.testing.assert_allclose(got["a"], [1.5, 4.0])
+    assert isinstance(got["a"], np.ndarray) and got["b"] == 2  # (2 + 3) // 2
+
+
+def case_fused_path_issues_far_fewer_collectives_than_tensors():
+    shapes = [(3, 3, 4, 8), (8,), (8,), (128, 10), (10,)] * 4  # 20 tensors
+
+    def step():
+        return hvrep.all_reduce([tf.ones(s) for s in shapes], "mean")
+
+    calls = {}
+    for name, cfg in {"fused": hvrep.CommConfig(), "unfused": hvrep.CommConfig(fusion_threshold_bytes=0),
+                      "groups": hvrep.CommConfig(num_groups=3)}.items():
+        with replicator_with(cfg) as r:
+            before = r.collective_calls
+            out = r.run(step)
+            calls[name] = r.collective_calls - before
+            assert all(np.allclose(o.numpy(), 1.0) for o in out)
+    assert calls == {"fused": 1, "unfused": 20, "groups": 3}, calls
+
+
+def case_fp16_compression_is_within_fp16_precision():
+    rng = np.random.default_rng(_rank())
+    mine = [rng.normal(size=s).astype(np.float32) for s in [(64, 32), (32,), (5, 5, 3)]]
+    with replicator_with(hvrep.CommConfig(compression="fp16")) as r:
+        got = r.run(lambda xs: hvrep.all_reduce(xs, "mean"), args=([tf.constant(m) for m in mine],))
+        exact = r.run(lambda xs: [hvrep.all_gather(x[None], 0) for x in xs], args=([tf.constant(m) for m in mine],))
+    for g, e in zip(got, exact, strict=True):
+        assert g.dtype == tf.float32
+        np.testing.assert_allclose(g.numpy(), e.numpy().mean(axis=0), rtol=2e-3, atol=2e-3)
+
+
+def case_bf16_compression_is_refused_on_horovod_with_the_fix():
+    try:
+        with replicator_with(hvrep.CommConfig(compression="bf16")):
+            pass
+    except CollectiveError as e:
+        assert "fp16" in str(e) and "bfloat16" in str(e)
+    else:
+        raise AssertionError("bf16 compression was accepted on horovod")
+
+
+def case_shapes_that_differ_across_ranks_raise_instead_of_hanging():
+    n = 3 + _rank()  # 3 on rank 0, 4 on rank 1
+
+    def step():
+        return hvrep.all_reduce(tf.ones([n]), "sum")
+
+    try:
+        repl().run(step)
+    except ReplicaMismatchError as e:
+        assert "float32[3]" in str(e) and "float32[4]" in str(e), e
+    else:
+        raise AssertionError("mismatched collectives were not detected")
+
+
+def case_variable_created_outside_scope_is_refused():
+    r = repl()
+    with r.scope():
+        inside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    outside = keras.layers.Dense(2)
+    outside.build((None, 2))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(outside(inside(x)))
+        return tape.gradient(loss, outside.trainable_variables)
+
+    try:
+        r.run(step, args=(tf.ones([1, 3]),))
+    except ScopeError as e:
+        assert "outside Replicator.scope()" in str(e) and "kernel" in str(e)
+    else:
+        raise AssertionError("a variable created outside scope() was not detected")
+
+
+def case_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch():
+    r, me = repl(), _rank()
+    x_all = np.random.default_rng(3).normal(2.0, 3.0, size=(2 * 6, 5)).astype(np.float32)
+    with r.scope():
+        crbn = hvrep.layers.CrossReplicaBatchNorm(momentum=0.5)
+        crbn.build((None, 5))
+    bn = keras.layers.BatchNormalization(momentum=0.5)
+    bn.build((None, 5))
+    want = bn(x_all, training=True).numpy()
+
+    def step(x):
+        return hvrep.all_gather(crbn(x, training=True), axis=0)
+
+    got = r.run(step, args=(tf.constant(x_all[me * 6:(me + 1) * 6]),)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(crbn.moving_mean.numpy(), bn.moving_mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(crbn.moving_variance.numpy(), bn.moving_variance.numpy(), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,128 @@
+"""The in-graph path (local backend, 2 logical CPU devices; TPUs take the same code)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvrep
+from hvrep.errors import CollectiveError, ConfigError
+from tests import fidelity
+
+
+@pytest.fixture
+def repl():
+    r = hvrep.Replicator("local")
+    yield r
+    r.close()
+
+
+def test_local_backend_has_two_replicas(repl):
+    assert repl.backend == "local" and repl.num_replicas == 2 and repl.is_chief
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum"])
+@pytest.mark.parametrize("wrap", [False, True], ids=["all_reduce", "wrap_optimizer"])
+def test_two_replicas_equal_one_replica_with_twice_the_batch(repl, kind, wrap):
+    got = fidelity.replicated(repl, kind, wrap=wrap)
+    want = fidelity.reference(kind, repl.num_replicas)
+    assert fidelity.max_difference(got, want) <= 1e-5
+
+
+def test_collectives_outside_run_are_refused(repl):
+    with pytest.raises(CollectiveError, match="inside a replica step"):
+        hvrep.all_reduce(tf.ones(2), "sum")
+
+
+def test_unknown_op_and_backend_are_refused(repl):
+    with pytest.raises(CollectiveError, match="'avg'"):
+        repl.reduce(np.ones(2), "avg")
+    with pytest.raises(ConfigError, match="already exists"):
+        hvrep.Replicator("local")
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ConfigError, match="'horovd'"):
+        hvrep.Replicator("horovd")
+
+
+def test_collectives_on_nested_structures_and_dtypes(repl):
+    def step():
+        v = tf.cast(hvrep.replica_id(), tf.float32) + 1.0  # 1, 2
+        i = hvrep.replica_id() + 1
+        value = {"f32": tf.fill([2], v), "pair": (tf.reshape(tf.cast(v, tf.float16), [1]), tf.reshape(i, [1])),
+                 "bf16": tf.reshape(tf.cast(v, tf.bfloat16), [1]), "none": None}
+        return {op: hvrep.all_reduce(value, op) for op in ("sum", "mean", "max", "min")} | {
+            "gather": hvrep.all_gather(tf.reshape(v, [1, 1]), axis=1),
+            "bcast": hvrep.broadcast(v, root=1),
+        }
+
+    out = repl.run(step)
+    expect = {"sum": (3.0, 3), "mean": (1.5, 1), "max": (2.0, 2), "min": (1.0, 1)}
+    for op, (fv, iv) in expect.items():
+        for replica_value in repl._backend.strategy.experimental_local_results(out[op]["f32"]):
+            np.testing.assert_allclose(replica_value.numpy(), [fv, fv])
+        got = repl.reduce(out[op], "max")  # identical on both replicas, so max is the value
+        assert got["pair"][0].dtype == np.float16 and got["pair"][1].dtype == np.int32
+        np.testing.assert_allclose(got["pair"][0], [fv])
+        assert got["pair"][1].tolist() == [iv]
+        np.testing.assert_allclose(np.asarray(got["bf16"], np.float32), [fv])
+        assert out[op]["none"] is None
+    assert repl.reduce(out["gather"], "min").tolist() == [[1.0, 2.0]]
+    assert float(repl.reduce(out["bcast"], "min")) == 2.0
+
+
+def test_fusion_issues_one_collective_for_many_tensors(repl):
+    before = repl.collective_calls
+    repl.run(lambda: hvrep.all_reduce([tf.ones([3]) for _ in range(12)], "sum"))
+    # In-graph, each of the 2 replicas is traced in this process: 1 collective each, not 12.
+    assert repl.collective_calls - before == repl.num_replicas
+
+
+def test_bf16_and_fp16_compression_stay_within_their_precision():
+    for compression, rtol in (("fp16", 2e-3), ("bf16", 1e-2)):
+        r = hvrep.Replicator("local", config=hvrep.CommConfig(compression=compression))
+        try:
+            def step():
+                rid = tf.cast(hvrep.replica_id(), tf.float32)
+                x = tf.linspace(-3.0, 3.0, 50) * (rid + 1.0)
+                return hvrep.all_reduce(x, "mean")
+
+            got = r.reduce(r.run(step), "min")
+            np.testing.assert_allclose(got, np.linspace(-3, 3, 50) * 1.5, rtol=rtol, atol=rtol)
+        finally:
+            r.close()
+
+
+def test_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch(repl):
+    import keras
+
+    x_all = np.random.default_rng(3).normal(2.0, 3.0, size=(12, 5)).astype(np.float32)
+    with repl.scope():
+        crbn = hvrep.layers.CrossReplicaBatchNorm(momentum=0.5)
+        crbn.build((None, 5))
+    bn = keras.layers.BatchNormalization(momentum=0.5)
+    bn.build((None, 5))
+    want = bn(x_all, training=True).numpy()
+    halves = repl._backend.strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(x_all[ctx.replica_id_in_sync_group * 6:(ctx.replica_id_in_sync_group + 1) * 6]))
+    out = repl.run(lambda x: hvrep.all_gather(crbn(x, training=True), axis=0), args=(halves,))
+    np.testing.assert_allclose(repl.reduce(out, "min"), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(crbn.moving_mean.numpy(), bn.moving_mean.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_input_context_shards_and_checks_the_global_batch(repl):
+    seen = []
+
+    def input_fn(ctx):
+        seen.append(ctx)
+        return ctx.shard(tf.data.Dataset.range(8)).batch(ctx.per_replica_batch_size)
+
+    batches = list(repl.distribute_dataset(input_fn, global_batch_size=4))
+    assert [(c.replica_id, c.num_replicas, c.per_replica_batch_size) for c in seen] == [(0, 2, 2), (1, 2, 2)]
+    values = sorted(int(v) for b in batches for part in repl._backend.strategy.experimental_local_results(b)
+                    for v in part.numpy())
+    assert values == list(range(8))  # every element exactly once
+    with pytest.raises(CollectiveError, match="global_batch_size=5"):
+        repl.distribute_dataset(input_fn, global_batch_size=5)
