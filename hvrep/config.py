@@ -31,6 +31,10 @@ class CommConfig:
       num_groups: 0 to bucket by ``fusion_threshold_bytes``; N > 0 to split
         the tensors into N groups of about equal bytes instead (Horovod's
         ``num_groups``).
+      accumulation_steps: micro-batches a ``Replicator.wrap_optimizer``
+        optimizer accumulates locally before one all-reduce and update
+        (1: every step). Horovod backend only: in-graph strategies cannot put
+        collectives inside the conditional update.
       check_first_step: before the first step of each ``run`` function
         executes, compare the collectives every replica traced (kind, dtype,
         shape) and raise on a mismatch instead of hanging in Horovod.
@@ -40,6 +44,7 @@ class CommConfig:
     cycle_time_ms: float = 1.0
     compression: str = "none"
     num_groups: int = 0
+    accumulation_steps: int = 1
     check_first_step: bool = True
 
     def __post_init__(self) -> None:
@@ -54,3 +59,5 @@ class CommConfig:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
         if not isinstance(self.num_groups, int) or self.num_groups < 0:
             raise ConfigError(f"num_groups must be an int >= 0, got {self.num_groups!r}.")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}.")

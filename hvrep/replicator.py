@@ -126,7 +126,18 @@ class Replicator:
         return self._backend.reduce(value, check_op(op))
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
-        """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first."""
+        """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first.
+
+        With ``CommConfig.accumulation_steps`` k > 1 it accumulates k micro-batches
+        locally before one all-reduce and update (horovod backend only).
+        """
         from hvrep.optimizer_wrapper import CrossReplicaOptimizer
 
-        return CrossReplicaOptimizer(optimizer)
+        k = self.config.accumulation_steps
+        if k > 1 and self.backend != "horovod":
+            raise ConfigError(
+                f"accumulation_steps={k} needs the horovod backend; on {self.backend!r} the collectives cannot "
+                "sit inside the conditional update of a tf.distribute replica context. Fix: accumulation_steps=1, "
+                "or a k-times larger per-replica batch."
+            )
+        return CrossReplicaOptimizer(optimizer, k)

@@ -51,8 +51,13 @@ def reference(kind: str, num_replicas: int) -> list[np.ndarray]:
     return [v.numpy() for v in model.weights]
 
 
-def replicated(repl: hvrep.Replicator, kind: str, init_seed: int = SEED, wrap: bool = False) -> list[np.ndarray]:
-    """The same training through hvrep: each replica takes its B of every global batch."""
+def replicated(repl: hvrep.Replicator, kind: str, init_seed: int = SEED, wrap: bool = False,
+               micro: int = 1) -> list[np.ndarray]:
+    """The same training through hvrep: each replica takes its B of every global batch.
+
+    With ``micro`` > 1 each replica feeds its B samples as ``micro`` micro-batches
+    (the Replicator's CommConfig.accumulation_steps must equal ``micro``).
+    """
     n = repl.num_replicas
     x, y = data(n)
     with repl.scope():
@@ -63,7 +68,7 @@ def replicated(repl: hvrep.Replicator, kind: str, init_seed: int = SEED, wrap: b
     def input_fn(ctx: hvrep.InputContext) -> tf.data.Dataset:
         b, r = ctx.per_replica_batch_size, ctx.replica_id
         idx = np.concatenate([np.arange(k * n * b + r * b, k * n * b + (r + 1) * b) for k in range(K)])
-        return tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).batch(b)
+        return tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).batch(b // micro)
 
     def step(xb: tf.Tensor, yb: tf.Tensor) -> dict:
         with tf.GradientTape() as tape:
@@ -80,7 +85,7 @@ def replicated(repl: hvrep.Replicator, kind: str, init_seed: int = SEED, wrap: b
         loss = repl.reduce(out["loss"], "mean")
         assert np.isfinite(loss)
         steps += 1
-    assert steps == K, steps
+    assert steps == K * micro, steps
     return [np.asarray(v.numpy()) for v in model.weights]
 
 

@@ -126,3 +126,12 @@ def test_input_context_shards_and_checks_the_global_batch(repl):
     assert values == list(range(8))  # every element exactly once
     with pytest.raises(CollectiveError, match="global_batch_size=5"):
         repl.distribute_dataset(input_fn, global_batch_size=5)
+
+
+def test_gradient_accumulation_is_refused_in_graph_with_the_fix():
+    r = hvrep.Replicator("local", config=hvrep.CommConfig(accumulation_steps=2))
+    try:
+        with pytest.raises(ConfigError, match="accumulation_steps=2 needs the horovod backend"):
+            r.wrap_optimizer(fidelity.make_optimizer("sgd"))
+    finally:
+        r.close()
