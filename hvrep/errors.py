@@ -6,6 +6,11 @@ from __future__ import annotations
 class HvrepError(Exception):
     """Base class of every error hvrep raises on purpose."""
 
+    # Autograph re-raises an error from inside tf.function as the same type
+    # only when its __init__ is Exception's; otherwise users would get a
+    # generic StagingError instead of the typed hvrep error.
+    __init__ = Exception.__init__
+
 
 class SetupError(HvrepError):
     """The environment lacks something hvrep needs (a package, a build, a tool)."""

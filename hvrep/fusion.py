@@ -89,7 +89,12 @@ def fused_reduce(
     wire = [wire_dtype or t.dtype for t in tensors]
     nbytes = [int(t.shape.num_elements() or 0) * w.size for t, w in zip(tensors, wire, strict=True)]
     out: list[tf.Tensor | None] = [None] * len(tensors)
-    for bucket in plan_buckets(nbytes, wire, threshold, num_groups):
+    # Gradients arrive in variable (forward) order; the backward pass produces
+    # them last layer first, so buckets are planned in reverse, as Horovod and
+    # PyTorch DDP do: the first bucket is the first one whose gradients are ready.
+    order = list(reversed(range(len(tensors))))
+    plan = plan_buckets([nbytes[i] for i in order], [wire[i] for i in order], threshold, num_groups)
+    for bucket in ([order[j] for j in b] for b in plan):
         parts = []
         for i in bucket:
             t = tensors[i]

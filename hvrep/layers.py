@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from hvrep import collectives
+from hvrep.backends.base import active_backend
 
 
 class CrossReplicaBatchNorm(keras.layers.BatchNormalization):
@@ -22,11 +23,9 @@ class CrossReplicaBatchNorm(keras.layers.BatchNormalization):
     """
 
     def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
-        from hvrep.replicator import _live
-
         if mask is not None:
             raise NotImplementedError("CrossReplicaBatchNorm does not support masks.")
-        if _live is None or not _live._backend.in_replica:
+        if active_backend() is None:
             return super()._moments(inputs, mask)
         x = tf.cast(inputs, tf.float32)
         axes = list(self._reduction_axes)

@@ -20,19 +20,15 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep import backends
-from hvrep.backends.base import Backend, InputContext, check_op
+from hvrep.backends.base import Backend, InputContext, active_backend, check_op
 from hvrep.config import CommConfig
 from hvrep.errors import CollectiveError, ConfigError
 
-_live: Replicator | None = None
-
 
 def live_backend() -> Backend:
-    """The live Replicator's backend, checked to be inside ``run``."""
-    if _live is None:
-        raise CollectiveError("no hvrep.Replicator exists. Fix: create `repl = hvrep.Replicator()` first.")
-    backend = _live._backend
-    if not backend.in_replica:
+    """The backend of the Replicator whose ``run`` is executing."""
+    backend = active_backend()
+    if backend is None:
         raise CollectiveError(
             "hvrep collectives run inside a replica step only. Fix: call them from the function you pass to "
             "`repl.run(step_fn, args=...)`; outside it, use `repl.reduce(value, op)`."
@@ -49,22 +45,18 @@ class Replicator:
         launched with more than one rank, tpu when a TPU is attached, else local).
       config: communication settings; default ``CommConfig()``.
 
+    Several Replicators may exist in one process (e.g. with different
+    configs); the collectives act on the one whose ``run`` is executing.
+
     Raises:
-      hvrep.errors.ConfigError: unknown backend, or a second Replicator in the process.
+      hvrep.errors.ConfigError: unknown backend or a config of the wrong type.
     """
 
     def __init__(self, backend: str = "auto", *, config: CommConfig | None = None) -> None:
-        global _live
         if config is not None and not isinstance(config, CommConfig):
             raise ConfigError(f"config must be an hvrep.CommConfig, got {type(config).__name__}.")
-        if _live is not None:
-            raise ConfigError(
-                f"an hvrep.Replicator (backend {_live.backend!r}) already exists in this process; the collectives "
-                "act on one live Replicator. Fix: reuse it, or call its close() first."
-            )
         self.config = config or CommConfig()
         self._backend = backends.create(backend, self.config)
-        _live = self
 
     @property
     def backend(self) -> str:
@@ -88,10 +80,10 @@ class Replicator:
         return self._backend.collective_calls
 
     def close(self) -> None:
-        """Releases the process's live-Replicator slot (tests, notebooks)."""
-        global _live
-        if _live is self:
-            _live = None
+        """Kept for symmetry with context-managed resources; a Replicator holds nothing to release.
+
+        (Horovod stays initialised for the process, as Horovod requires.)
+        """
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Variables created inside start identical on every replica (broadcast from the chief)."""

@@ -15,6 +15,16 @@ from hvrep.errors import CollectiveError
 
 OPS = ("sum", "mean", "max", "min")
 
+# The backends whose `run` is executing (innermost last). Collectives act on
+# the innermost one. A plain list, not thread-local: MirroredStrategy runs each
+# replica's function in a thread of its own.
+_ACTIVE: list[Backend] = []
+
+
+def active_backend() -> Backend | None:
+    """The backend whose ``run`` is executing, or None outside any replica step."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
 
 @dataclass(frozen=True)
 class InputContext:
@@ -113,7 +123,9 @@ class Backend(abc.ABC):
     @contextlib.contextmanager
     def replica_section(self) -> Iterator[None]:
         self._run_depth += 1
+        _ACTIVE.append(self)
         try:
             yield
         finally:
+            _ACTIVE.pop()
             self._run_depth -= 1

@@ -38,8 +38,16 @@ def test_collectives_outside_run_are_refused(repl):
 def test_unknown_op_and_backend_are_refused(repl):
     with pytest.raises(CollectiveError, match="'avg'"):
         repl.reduce(np.ones(2), "avg")
-    with pytest.raises(ConfigError, match="already exists"):
-        hvrep.Replicator("local")
+    with pytest.raises(CollectiveError, match="'avg'"):
+        repl.run(lambda: hvrep.all_reduce(tf.ones(2), "avg"))
+
+
+def test_collectives_act_on_the_replicator_that_is_running(repl):
+    other = hvrep.Replicator("local", config=hvrep.CommConfig(fusion_threshold_bytes=0))
+    before = (repl.collective_calls, other.collective_calls)
+    other.run(lambda: hvrep.all_reduce([tf.ones(2), tf.ones(3)], "sum"))
+    assert repl.collective_calls == before[0]
+    assert other.collective_calls - before[1] == 2 * other.num_replicas  # unfused: 2 per replica
 
 
 def test_unknown_backend_names_the_choices():
