@@ -29,6 +29,20 @@ from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError
 from hvrep.placement import resolve_placement
 
 
+@contextlib.contextmanager
+def _capture_variables() -> Iterator[list[tf.Variable]]:
+    """Collects every tf.Variable created inside (Keras 3 variables wrap one)."""
+    created: list[tf.Variable] = []
+
+    def creator(next_creator: Any, **kwargs: Any) -> tf.Variable:
+        v = next_creator(**kwargs)
+        created.append(v)
+        return v
+
+    with tf.variable_creator_scope(creator):
+        yield created
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
@@ -72,14 +86,7 @@ class HorovodBackend(Backend):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        created: list[tf.Variable] = []
-
-        def creator(next_creator, **kwargs):
-            v = next_creator(**kwargs)
-            created.append(v)
-            return v
-
-        with tf.variable_creator_scope(creator):
+        with _capture_variables() as created:
             yield
         for v in created:
             self._scope_vars[id(v)] = v
@@ -125,14 +132,7 @@ class HorovodBackend(Backend):
     def _first_call_checks(self, tf_fn: Any, args: tuple, kwargs: dict) -> None:
         """Traces without running, then checks scope and collective signatures."""
         self._signature = []
-        created: list[tf.Variable] = []
-
-        def creator(next_creator, **kw):
-            v = next_creator(**kw)
-            created.append(v)
-            return v
-
-        with tf.variable_creator_scope(creator):
+        with _capture_variables() as created:
             concrete = tf_fn.get_concrete_function(*args, **kwargs)
         signature, self._signature = self._signature, None
         made_here = {id(v) for v in created}
