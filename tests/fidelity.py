@@ -30,6 +30,10 @@ def make_model(seed: int = SEED) -> keras.Model:
 
 
 def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
+    if kind == "lars":
+        from hvrep.optimizers import LARS
+
+        return LARS(0.5, momentum=0.9, weight_decay=1e-4)
     return keras.optimizers.SGD(0.1, momentum=0.9 if kind == "momentum" else 0.0)
 
 

@@ -68,6 +68,10 @@ def case_fidelity_momentum():
     _fidelity("momentum")
 
 
+def case_fidelity_lars():
+    _fidelity("lars")
+
+
 def case_fidelity_wrap_optimizer():
     _fidelity("momentum", wrap=True)
 

@@ -22,7 +22,7 @@ def test_local_backend_has_two_replicas(repl):
     assert repl.backend == "local" and repl.num_replicas == 2 and repl.is_chief
 
 
-@pytest.mark.parametrize("kind", ["sgd", "momentum"])
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "lars"])
 @pytest.mark.parametrize("wrap", [False, True], ids=["all_reduce", "wrap_optimizer"])
 def test_two_replicas_equal_one_replica_with_twice_the_batch(repl, kind, wrap):
     got = fidelity.replicated(repl, kind, wrap=wrap)
