@@ -50,3 +50,15 @@ def test_readme_example_runs_on_two_ranks_under_mpirun(example):
     assert res.stdout.count("on 2 replica(s) (horovod)") == 3  # chief only, once per epoch
     losses = _losses(res.stdout)
     assert losses[-1] < losses[0], res.stdout
+
+
+def test_readme_large_batch_snippet_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Large-batch training", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    path = tmp_path / "large_batch.py"
+    path.write_text(code)
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    peak, warmup, epochs, smoothing, *source = res.stdout.split()
+    assert 11.0 < float(peak) < 19.0 and float(smoothing) == 0.1 and "MLPerf" in " ".join(source)
