@@ -60,5 +60,5 @@ def test_readme_large_batch_snippet_runs(tmp_path):
     path.write_text(code)
     res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=_env(), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    peak, warmup, epochs, smoothing, *source = res.stdout.split()
+    peak, _warmup, _epochs, smoothing, *source = res.stdout.split()
     assert 11.0 < float(peak) < 19.0 and float(smoothing) == 0.1 and "MLPerf" in " ".join(source)
