@@ -30,6 +30,29 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _data_demo(args: argparse.Namespace) -> int:
+    from hvrep.data import write_demo
+
+    result = write_demo(args.dst, size=args.size, progress=True)
+    print(f"demo data in {args.dst}: folder/ (ImageNet layout) and tfrecord/ "
+          f"({result.written['train']} train, {result.written['val']} val images)")
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from hvrep.data import prepare
+
+    result = prepare(args.src, args.dst, train_shards=args.train_shards, val_shards=args.val_shards,
+                     on_error=args.on_error, seed=args.seed, progress=True)
+    print(f"{args.dst}: {result.written['train']} train and {result.written['val']} val images; "
+          f"{result.shards_written} shards written, {result.shards_reused} reused from an earlier run")
+    for split, files in result.skipped.items():
+        if files:
+            print(f"skipped {len(files)} bad {split} file(s), listed in the manifest: {', '.join(files[:5])}",
+                  file=sys.stderr)
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvrep", description="Replicated TensorFlow training on Horovod.")
     parser.add_argument("--version", action="version", version=f"hvrep {__version__}")
@@ -44,6 +67,22 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="skip importing TensorFlow and Horovod")
     p.set_defaults(func=_doctor)
+
+    data = sub.add_parser("data", help="data sets: the embedded demo, JPEG folder to TFRecord").add_subparsers(
+        dest="data_command", required=True)
+    p = data.add_parser("demo", help="write the demo data set (real digit images from scikit-learn) to DST")
+    p.add_argument("dst")
+    p.add_argument("--size", type=int, default=32, help="image side in pixels")
+    p.set_defaults(func=_data_demo)
+    p = data.add_parser("prepare", help="convert an ImageNet-style JPEG folder to TFRecord shards + DALI indexes")
+    p.add_argument("src", help="folder with train/<class>/*.JPEG and val/<class>/*.JPEG")
+    p.add_argument("dst", help="output folder (resumable)")
+    p.add_argument("--train-shards", type=int, default=None)
+    p.add_argument("--val-shards", type=int, default=None)
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="a bad JPEG stops the run (raise) or is left out and listed (skip)")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle that spreads classes over shards")
+    p.set_defaults(func=_data_prepare)
     return parser
 
 

@@ -34,3 +34,7 @@ class ReplicaMismatchError(HvrepError):
 
 class ScopeError(HvrepError):
     """A variable that must start identical on every replica was created outside ``Replicator.scope()``."""
+
+
+class DataError(HvrepError):
+    """A data set is missing, malformed or corrupt; the message names the file."""
