@@ -149,9 +149,10 @@ def test_truncated_shard_or_foreign_index_is_caught(data, tmp_path):
     shutil.copytree(root / "tfrecord", tmp_path / "t")
     shard = tmp_path / "t" / "validation-00001-of-00002"
     shard.write_bytes(shard.read_bytes()[:-100])
-    with pytest.raises(DataError, match="validation-00001-of-00002.*truncated"):
+    with pytest.raises(DataError, match=r"validation-00001-of-00002.*truncated"):
         make_dataset(DataConfig(str(tmp_path / "t"), format="tfrecord"), "val", batch_size=4)
-    shutil.copy(tmp_path / "t" / "idx" / "train-00000-of-00006.idx", tmp_path / "t" / "idx" / "train-00001-of-00006.idx")
+    idx = tmp_path / "t" / "idx"
+    shutil.copy(idx / "train-00000-of-00006.idx", idx / "train-00001-of-00006.idx")
     with pytest.raises(DataError, match="index belongs to another shard"):
         make_dataset(DataConfig(str(tmp_path / "t"), format="tfrecord"), "train", batch_size=4)
 
