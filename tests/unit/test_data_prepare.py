@@ -117,7 +117,7 @@ def test_cli_demo_writes_the_digits_as_imagenet_folder_and_tfrecords(tmp_path):
     res = subprocess.run([HVREP, "data", "prepare", str(folder), str(tmp_path / "tf"), "--train-shards", "2"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "train shards" in res.stderr and "2 shards written" in res.stdout
+    assert "train shards" in res.stderr and "3 shards written" in res.stdout  # 2 train + 1 val
     assert len(list_shards(tmp_path / "tf", "train")[0]) == 2
 
 
