@@ -22,7 +22,10 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
 
     Both backends apply the same augmentation and sharding rules (see
     ``hvrep.data.tfdata`` and ``hvrep.data.dali``); evaluation pads with
-    label ``PAD_LABEL`` (-1) rows that must not count.
+    label ``PAD_LABEL`` (-1) rows that must not count. A dataset is one epoch
+    and the same order each time it is built: pass a config whose ``seed``
+    changes per epoch (``dataclasses.replace(config, seed=base + epoch)``, the
+    same on every replica) for a new shuffle and new augmentation.
     """
     if config.backend == "dali":
         from hvrep.data.dali import dali_dataset
@@ -31,5 +34,21 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     return tfdata_dataset(config, split, ctx, batch_size, training)
 
 
-__all__ = ["PAD_LABEL", "DataConfig", "make_dataset", "prepare", "synthetic_dataset", "tfdata_dataset",
+def data_errors(config: DataConfig, split: str):
+    """Wrap iteration over a ``make_dataset`` dataset in this to get decode errors that name the file.
+
+    DALI reports a bad JPEG without its file name; inside this context such an
+    error becomes a ``DataError`` naming the file (the tf.data pipeline names it
+    itself, so this is a no-op there).
+    """
+    import contextlib
+
+    if config.backend == "dali":
+        from hvrep.data.dali import dali_errors
+
+        return dali_errors(config, split)
+    return contextlib.nullcontext()
+
+
+__all__ = ["PAD_LABEL", "DataConfig", "data_errors", "make_dataset", "prepare", "synthetic_dataset", "tfdata_dataset",
            "write_demo"]

@@ -1,0 +1,417 @@
+"""The DALI pipeline: the same augmentation, sharding and padding rules as ``hvrep.data.tfdata``.
+
+Training: ``decoders.image_random_crop`` (Inception-style, ``config.crop_scale``/
+``crop_ratio``; only the crop is decoded), resize to ``image_size``, random
+horizontal flip (``random.coin_flip`` into ``crop_mirror_normalize``),
+normalise. Evaluation: resize the shorter side to ``resize_size``, center-crop
+``image_size``, normalise. Resizes are bilinear without antialiasing, as
+``tf.image.resize`` does, so both backends feed the model the same pixels.
+
+Sharding: DALI's readers split the sample list into ``num_replicas``
+contiguous parts and replica ``ctx.replica_id`` reads part ``replica_id``.
+
+- Training shuffles with ``seed=config.seed`` on every replica. A folder's
+  file list is first permuted in Python with that seed (DALI's own permutation
+  uses a fixed seed, so without it a replica would read the same files every
+  epoch whatever the seed); TFRecords are read in their stored order (shuffled
+  once by ``hvrep data prepare``) through a shuffle buffer. Every replica takes
+  ``floor(N / (num_replicas * batch))`` batches: each part holds at least that
+  many samples, so within the epoch the replicas see distinct samples.
+- Evaluation: the sample list is padded with ``P = ceil(N / (R*b)) * R*b - N``
+  padding samples (a tiny black JPEG, label ``PAD_LABEL``) appended after the
+  real ones. The padded count divides by ``R*b``, so every contiguous part
+  holds exactly ``N_padded / R`` samples, a whole number of batches: every
+  replica yields the same number of batches (collectives stay in lockstep) and
+  every real image is in exactly one part. DALI's ``pad_last_batch`` is not
+  used: it repeats the last real sample with its real label, which would count
+  twice.
+
+Each iteration of the returned dataset is one epoch and restarts the DALI
+pipeline from its seeds: iterating it again gives the same order and the same
+augmentation. For a new epoch pass a new seed, e.g.
+``dataclasses.replace(config, seed=config.seed + epoch)`` (the same on every
+replica).
+
+Bad JPEGs: DALI's decoders cannot drop a sample (a batch in flight cannot ask
+its reader for a replacement) and their error does not name the file
+("nvImageCodec failure: '#4'"). ``on_error="skip"`` therefore checks every
+image once before the pipeline is built (:func:`hvrep.data.prepare.check_jpeg`,
+a 1/8-scale decode; at ImageNet scale this reads the whole split once per
+process, cached for the process) and leaves the bad ones out of the file list
+or the TFRecord index; their number is logged and in ``dataset.hvrep_skipped``.
+``on_error="raise"`` does not pay that cost up front: iterate inside
+:func:`dali_errors` to turn DALI's decode failure into a
+:class:`~hvrep.errors.DataError` naming the file.
+
+``bfloat16``: DALI has no bfloat16 output, so DALI produces float32 and a
+``tf.data`` map casts it (on the CPU; with a GPU-placed pipeline prefer
+``dtype="float32"`` and casting in the model).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import io
+import itertools
+import logging
+import math
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+
+from hvrep.backends.base import InputContext
+from hvrep.data.config import PAD_LABEL, DataConfig
+from hvrep.data.files import list_folder, list_shards
+from hvrep.data.prepare import check_jpeg
+from hvrep.errors import ConfigError, DataError, SetupError
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 4096  # files checked per thread-pool round: bounds the futures held at ImageNet scale
+
+
+@dataclass(frozen=True)
+class _Bad:
+    """An image that cannot be decoded: ``where`` names it for people, ``key`` for filtering."""
+
+    where: str
+    reason: str
+    key: str | tuple[int, int]  # a folder file's path, or (shard number, record number)
+
+
+def _dali() -> tuple[Any, Any, Any, Any]:
+    try:
+        import nvidia.dali.plugin.tf as dali_tf
+        from nvidia.dali import fn, types
+        from nvidia.dali import tfrecord as tfrec
+    except ImportError as e:
+        raise SetupError(f"DALI or its TensorFlow plugin cannot be imported ({e}). Fix: run `make setup` "
+                         "(installs nvidia-dali-cuda120 and builds its TensorFlow plugin).") from e
+    return fn, types, tfrec, dali_tf
+
+
+# Scratch files (file lists, filtered indexes, the padding sample) live until the
+# process exits: DALIDataset re-reads them each time it starts its pipeline.
+_scratch_lock = threading.Lock()
+_scratch_dir: Path | None = None
+_scratch_names = itertools.count()
+
+
+def _scratch(stem: str, data: bytes | str) -> str:
+    global _scratch_dir
+    with _scratch_lock:
+        if _scratch_dir is None:
+            _scratch_dir = Path(tempfile.mkdtemp(prefix="hvrep-dali-"))
+            atexit.register(shutil.rmtree, _scratch_dir, True)
+        path = _scratch_dir / f"{next(_scratch_names):06d}-{stem}"
+    if isinstance(data, str):
+        path.write_text(data)
+    else:
+        path.write_bytes(data)
+    return str(path)
+
+
+@functools.cache
+def _pad_jpeg() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def _pad_record(label_offset: int, count: int) -> tuple[str, str]:
+    """A one-record TFRecord file holding the padding sample, and an index listing it ``count`` times."""
+    example = tf.train.Example(features=tf.train.Features(feature={
+        "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[_pad_jpeg()])),
+        # The reader subtracts label_offset, which leaves PAD_LABEL.
+        "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[PAD_LABEL + label_offset])),
+    })).SerializeToString()
+    path = _scratch("pad.tfrecord", b"")
+    with tf.io.TFRecordWriter(path) as writer:
+        writer.write(example)
+    return path, _scratch("pad.tfrecord.idx", f"0 {len(example) + 16}\n" * count)
+
+
+def _index_entries(index: str) -> list[str]:
+    return Path(index).read_text().splitlines()
+
+
+def _records(shard: str, index: str) -> Iterator[tuple[int, bytes]]:
+    """(record number, serialized Example) of each record, from the DALI index's offsets."""
+    with open(shard, "rb") as f:
+        for i, line in enumerate(_index_entries(index)):
+            offset, size = map(int, line.split())
+            f.seek(offset)
+            yield i, f.read(size)[12:-4]  # drop the length (8), its CRC (4) and the data CRC (4)
+
+
+def _check_file(path: str) -> str | None:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        return f"cannot be read ({e})"
+    return check_jpeg(path, data)
+
+
+def _check_shard(shard_no: int, shard: str, index: str, stop: threading.Event) -> list[_Bad]:
+    bad = []
+    for i, record in _records(shard, index):
+        if stop.is_set():
+            break
+        feature = tf.train.Example.FromString(record).features.feature
+        encoded = feature["image/encoded"].bytes_list.value
+        name = feature["image/filename"].bytes_list.value
+        problem = check_jpeg(shard, encoded[0]) if encoded else "has no image/encoded feature"
+        if problem:
+            label = f" (image/filename {name[0].decode(errors='replace')})" if name else ""
+            bad.append(_Bad(f"{shard} record {i}{label}", problem, (shard_no, i)))
+    return bad
+
+
+def _scan(fmt: str, data_dir: str, split: str, threads: int, limit: int | None = None) -> list[_Bad]:
+    """The images of a split that cannot be decoded, in reading order; stops after ``limit`` of them."""
+    bad: list[_Bad] = []
+    # PIL releases the GIL while it reads and decodes, so threads scale here.
+    with ThreadPoolExecutor(max(4, threads)) as pool:
+        if fmt == "folder":
+            files = list_folder(data_dir, split).files
+            for start in range(0, len(files), _CHUNK):
+                chunk = files[start:start + _CHUNK]
+                bad += [_Bad(f, p, f) for f, p in zip(chunk, pool.map(_check_file, chunk), strict=True) if p]
+                if limit is not None and len(bad) >= limit:
+                    break
+        else:
+            stop = threading.Event()
+            shards, indexes = list_shards(data_dir, split)
+            futures = [pool.submit(_check_shard, k, s, i, stop)
+                       for k, (s, i) in enumerate(zip(shards, indexes, strict=True))]
+            for future in futures:
+                bad += future.result()
+                if limit is not None and len(bad) >= limit:
+                    stop.set()
+                    break
+    return bad[:limit]
+
+
+@functools.lru_cache(maxsize=16)
+def _skip_list(fmt: str, data_dir: str, split: str, threads: int) -> tuple[_Bad, ...]:
+    """The full scan for ``on_error="skip"``, once per process and data set (every replica needs it)."""
+    start = time.perf_counter()
+    bad = tuple(_scan(fmt, data_dir, split, threads))
+    log.info("checked the %s images of %s in %.1f s", split, data_dir, time.perf_counter() - start)
+    return bad
+
+
+def _device(config: DataConfig, ctx: InputContext) -> tuple[str, int | None]:
+    """("mixed", GPU number) or ("cpu", None); a GPU is this replica's among those TensorFlow sees."""
+    if config.dali_device == "cpu":
+        return "cpu", None
+    gpus = tf.config.list_logical_devices("GPU")
+    if not gpus:
+        if config.dali_device == "mixed":
+            raise ConfigError("dali_device='mixed' needs a GPU visible to TensorFlow and none is. "
+                              "Fix: dali_device='auto' or 'cpu'.")
+        return "cpu", None
+    # One process per GPU (Horovod) sees one GPU; MirroredStrategy runs replica i on GPU i.
+    return "mixed", ctx.replica_id % len(gpus)
+
+
+_Source = tuple[int, Callable[[Callable[..., Any]], tuple[Any, Any]]]
+
+
+def _folder_source(config: DataConfig, split: str, training: bool, pad: Callable[[int], int],
+                   bad: set[Any]) -> _Source:
+    """The number of real samples, and a function that makes the reader (called inside the pipeline)."""
+    listing = list_folder(config.data_dir, split)
+    items = [(f, y) for f, y in zip(listing.files, listing.labels, strict=True) if f not in bad]
+    if training:
+        random.Random(config.seed).shuffle(items)
+    n, padding = len(items), pad(len(items))
+    if padding:
+        items += [(_scratch("pad.jpeg", _pad_jpeg()), PAD_LABEL)] * padding
+    # A file list rather than files=/labels= keeps the serialized pipeline small at
+    # ImageNet scale. DALI's list format rejects negative labels: they are stored +1.
+    file_list = _scratch("files.txt", "".join(f"{f} {y + 1}\n" for f, y in items))
+
+    def make(reader: Callable[..., Any]) -> tuple[Any, Any]:
+        jpegs, labels = reader(file_list=file_list)
+        return jpegs, labels - 1
+
+    return n, make
+
+
+def _tfrecord_source(config: DataConfig, split: str, pad: Callable[[int], int], bad: set[Any], tfrec: Any) -> _Source:
+    shards, indexes = list_shards(config.data_dir, split)
+    n = 0
+    for k, index in enumerate(indexes):
+        entries = _index_entries(index)
+        kept = [e for i, e in enumerate(entries) if (k, i) not in bad]
+        if len(kept) < len(entries):  # skipped records: the reader follows a filtered index
+            indexes[k] = _scratch(Path(index).name, "".join(e + "\n" for e in kept))
+        n += len(kept)
+    padding = pad(n)
+    if padding:
+        path, index = _pad_record(config.label_offset, padding)
+        shards, indexes = [*shards, path], [*indexes, index]
+    features = {"image/encoded": tfrec.FixedLenFeature((), tfrec.string, ""),
+                "image/class/label": tfrec.FixedLenFeature([1], tfrec.int64, -1)}
+
+    def make(reader: Callable[..., Any]) -> tuple[Any, Any]:
+        record = reader(path=shards, index_path=indexes, features=features)
+        return record["image/encoded"], record["image/class/label"] - config.label_offset
+
+    return n, make
+
+
+def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
+                 training: bool | None = None) -> tf.data.Dataset:
+    """One replica's batches of ``(images, labels)`` for one epoch, from a DALI pipeline.
+
+    Args:
+      config: the pipeline settings (``config.backend`` is not consulted here).
+      split: "train" or "val".
+      ctx: this replica's place (``replica_id``, ``num_replicas``,
+        ``per_replica_batch_size``); None: one replica.
+      batch_size: per-replica batch when ``ctx`` has none.
+      training: augment and shuffle (default: ``split == "train"``).
+
+    Returns:
+      A ``DALIDataset`` (then ``take``, and a cast for bfloat16) of ``images``
+      (batch, H, W, 3) or (batch, 3, H, W) in ``config.dtype`` and ``labels``
+      (batch,) int32. Evaluation rows with label ``PAD_LABEL`` (-1) are padding
+      and must not count. ``dataset.hvrep_skipped`` counts the images left out
+      by ``on_error="skip"``.
+
+    Raises:
+      hvrep.errors.ConfigError: no batch size, a batch too large for the data,
+        ``dali_device="mixed"`` without a GPU.
+      hvrep.errors.DataError: a missing or malformed data set (named).
+      hvrep.errors.SetupError: DALI or its TensorFlow plugin is missing.
+    """
+    fn, types, tfrec, dali_tf = _dali()
+    ctx = ctx or InputContext(0, 1, None)
+    b = ctx.per_replica_batch_size or batch_size
+    if not b or b < 1:
+        raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
+    if not 0 <= ctx.replica_id < ctx.num_replicas:
+        raise ConfigError(f"replica_id must be in [0, {ctx.num_replicas}), got {ctx.replica_id}.")
+    training = split == "train" if training is None else training
+    n_rep, global_b = ctx.num_replicas, ctx.num_replicas * b
+    device, device_id = _device(config, ctx)
+
+    bad = _skip_list(config.format, config.data_dir, split, config.num_threads) if config.on_error == "skip" else ()
+    if bad:
+        log.warning("skipped %d %s images of %s that cannot be decoded (on_error='skip'): %s", len(bad), split,
+                    config.data_dir, "; ".join(f"{x.where}: {x.reason}" for x in bad[:5])
+                    + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
+
+    def pad(n: int) -> int:
+        return 0 if training else math.ceil(n / global_b) * global_b - n
+
+    keys = {x.key for x in bad}
+    if config.format == "folder":
+        n, make_reader = _folder_source(config, split, training, pad, keys)
+    else:
+        n, make_reader = _tfrecord_source(config, split, pad, keys, tfrec)
+    reader_args: dict[str, Any] = {"shard_id": ctx.replica_id, "num_shards": n_rep, "name": "Reader"}
+    if training:
+        steps = n // global_b
+        if steps == 0:
+            raise ConfigError(f"{n} {split} images cannot fill one global batch of {n_rep} x {b}.")
+        # The same seed on every replica; the buffer is filled before the first batch,
+        # and one replica's part is all it can hold.
+        reader_args.update(random_shuffle=True, seed=config.seed,
+                           initial_fill=max(1, min(config.shuffle_buffer, math.ceil(n / n_rep))))
+    else:
+        steps = math.ceil(n / global_b)
+    reader = functools.partial(fn.readers.file if config.format == "folder" else fn.readers.tfrecord, **reader_args)
+
+    size = config.image_size
+    out_dtype = types.FLOAT16 if config.dtype == "float16" else types.FLOAT
+    # Augmentation differs per replica (identical crops on every replica would correlate them);
+    # the reader's shuffle seed above is the same everywhere.
+    pipe_seed = (config.seed * 1_000_003 + ctx.replica_id) % (2**31 - 1)
+    from nvidia.dali import Pipeline
+
+    pipe = Pipeline(batch_size=b, num_threads=config.num_threads, device_id=device_id, seed=pipe_seed)
+    with pipe:
+        jpegs, labels = make_reader(reader)
+        if training:
+            images = fn.decoders.image_random_crop(
+                jpegs, device=device, output_type=types.RGB, random_area=list(config.crop_scale),
+                random_aspect_ratio=list(config.crop_ratio), num_attempts=10)
+            images = fn.resize(images, resize_x=size, resize_y=size, antialias=False)
+            mirror = fn.random.coin_flip(probability=0.5) if config.flip else 0
+            crop = None
+        else:
+            images = fn.decoders.image(jpegs, device=device, output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=config.resize_size, antialias=False)
+            mirror, crop = 0, (size, size)
+        images = fn.crop_mirror_normalize(
+            images, crop=crop, mirror=mirror, mean=list(config.mean), std=list(config.std), dtype=out_dtype,
+            output_layout="HWC" if config.layout == "NHWC" else "CHW")
+        labels = fn.reshape(fn.cast(labels, dtype=types.INT32), shape=[])
+        pipe.set_outputs(images, labels.gpu() if device == "mixed" else labels)
+
+    shape = (b, size, size, 3) if config.layout == "NHWC" else (b, 3, size, size)
+    with tf.device(f"/gpu:{device_id}" if device == "mixed" else "/cpu:0"):
+        ds = dali_tf.DALIDataset(
+            pipeline=pipe, batch_size=b, num_threads=config.num_threads, device_id=device_id,
+            output_shapes=(shape, (b,)),
+            output_dtypes=(tf.float16 if config.dtype == "float16" else tf.float32, tf.int32))
+    ds = ds.take(steps)  # DALIDataset never ends: one epoch is `steps` batches
+    if config.dtype == "bfloat16":
+        ds = ds.map(lambda x, y: (tf.cast(x, tf.bfloat16), y))
+    ds.hvrep_skipped = tf.constant(len(bad), tf.int64)
+    return ds
+
+
+_DECODE_FAILURE = re.compile(r"decoders\.image|nvImageCodec")
+
+
+@contextlib.contextmanager
+def dali_errors(config: DataConfig, split: str) -> Iterator[None]:
+    """Turns a DALI decode failure while iterating a :func:`dali_dataset` into a DataError naming the file.
+
+    DALI's message says only which operator failed ("nvImageCodec failure:
+    '#4'"), so on that failure the split's images are checked (a 1/8-scale
+    decode each, stopping at the fifth bad one) to name the culprits. Other
+    errors pass through unchanged.
+
+    Raises:
+      hvrep.errors.DataError: the pipeline failed to decode an image.
+    """
+    try:
+        yield
+    except (tf.errors.OpError, RuntimeError) as e:
+        message = str(e)
+        if not _DECODE_FAILURE.search(message):
+            raise
+        found = re.search(r"encountered:\s*\n\s*(.+)", message)
+        dali_says = found.group(1).strip() if found else message.splitlines()[0]
+        bad = _scan(config.format, config.data_dir, split, config.num_threads, limit=5)
+        if not bad:
+            raise DataError(
+                f"DALI failed to decode an image of {config.data_dir} ({split}): {dali_says}, yet every image "
+                "passes hvrep's check (a PIL decode). Fix: re-encode the split's images, or try "
+                "dali_device='cpu'."
+            ) from e
+        listed = "; ".join(f"{x.where}: {x.reason}" for x in bad)
+        raise DataError(
+            f"{listed}. DALI stopped with {dali_says!r}. Fix: replace or delete "
+            f"{'the file' if config.format == 'folder' else 'the record (rerun `hvrep data prepare`)'}, or set "
+            "on_error='skip' to leave bad images out (they are counted and logged)."
+        ) from e
