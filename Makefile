@@ -19,7 +19,7 @@ SETUP_INPUTS := requirements.txt setup.py $(wildcard hvrep/compat/*.py hvrep/com
 .PHONY: help setup demo test lint check-gpu-build clean clean-cache
 
 help:
-	@echo "make demo   - set up, then train the demo on $(NP) ranks (horovodrun --gloo)"
+	@echo "make demo   - set up, then train the demo preset on $(NP) ranks (horovodrun --gloo) and report"
 	@echo "make test   - set up, then lint and run the whole test suite"
 	@echo "make setup  - create .venv with the pinned stack, Horovod and the DALI plugin"
 	@echo "make check-gpu-build - build Horovod with CUDA/NCCL in a throwaway env (slow, GBs)"
@@ -43,8 +43,14 @@ $(STAMP): $(SETUP_INPUTS)
 		{ cat $(VENV)/doctor.txt; exit 1; }
 	touch $(STAMP)
 
+# The main job: the demo preset on $(NP) ranks, a short 1-rank run of the same
+# configuration for the scaling baseline, then a report of both.
+DEMO_RUN ?= runs/demo
 demo: setup
-	$(BIN)/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(BIN)/python -m hvrep.demo
+	rm -rf $(DEMO_RUN) $(DEMO_RUN)-1rank
+	$(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)-1rank train.epochs=3
+	$(BIN)/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)
+	$(BIN)/python -m hvrep.summary $(DEMO_RUN) $(DEMO_RUN)-1rank
 
 lint: setup
 	$(BIN)/ruff check .

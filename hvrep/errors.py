@@ -38,3 +38,7 @@ class ScopeError(HvrepError):
 
 class DataError(HvrepError):
     """A data set is missing, malformed or corrupt; the message names the file."""
+
+
+class CheckpointError(HvrepError):
+    """A checkpoint could not be written or read; the message names the directory or folder."""

@@ -26,7 +26,7 @@ from typing import Any
 
 from hvrep import schedules
 from hvrep.errors import ConfigError
-from hvrep.optimizers import DEFAULT_EXCLUDE, LARS, MomentumSGD
+from hvrep.optimizers import LARS, MomentumSGD
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 GOYAL_MAX_BATCH = 8192
@@ -114,7 +114,7 @@ def imagenet_resnet50(
     if not isinstance(train_images, int) or train_images < 1:
         raise ConfigError(f"train_images must be a positive int, got {train_images!r}.")
     steps_per_epoch = math.ceil(train_images / global_batch)
-    exclude = list(DEFAULT_EXCLUDE) if exclude_bn_and_bias_from_weight_decay else []
+    exclude = None if exclude_bn_and_bias_from_weight_decay else []  # None: BN and biases (DEFAULT_EXCLUDE)
 
     if global_batch <= GOYAL_MAX_BATCH:
         peak = schedules.linear_scaling(0.1, global_batch, 256)

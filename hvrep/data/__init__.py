@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import tensorflow as tf
 
 from hvrep.backends.base import InputContext
@@ -34,6 +36,16 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     return tfdata_dataset(config, split, ctx, batch_size, training)
 
 
+def num_examples(config: DataConfig, split: str) -> int:
+    """Images in a split: files in the folder, or records in the shards (from their DALI indexes)."""
+    from hvrep.data.files import check_index, list_folder, list_shards
+
+    if config.format == "folder":
+        return len(list_folder(config.data_dir, split).files)
+    shards, indexes = list_shards(config.data_dir, split)
+    return sum(check_index(Path(s), Path(i)) for s, i in zip(shards, indexes, strict=True))
+
+
 def data_errors(config: DataConfig, split: str):
     """Wrap iteration over a ``make_dataset`` dataset in this to get decode errors that name the file.
 
@@ -50,5 +62,5 @@ def data_errors(config: DataConfig, split: str):
     return contextlib.nullcontext()
 
 
-__all__ = ["PAD_LABEL", "DataConfig", "data_errors", "make_dataset", "prepare", "synthetic_dataset", "tfdata_dataset",
-           "write_demo"]
+__all__ = ["PAD_LABEL", "DataConfig", "data_errors", "make_dataset", "num_examples", "prepare", "synthetic_dataset",
+           "tfdata_dataset", "write_demo"]

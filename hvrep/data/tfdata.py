@@ -175,7 +175,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
             steps = min(c // b for c in counts)
             ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=config.seed)
             ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), 8), num_parallel_calls=AUTOTUNE,
-                               deterministic=False)
+                               deterministic=True)
             ds = ds.map(lambda rec: _parse_record(rec, config.label_offset), num_parallel_calls=AUTOTUNE)
             ds = ds.shuffle(min(config.shuffle_buffer, max(counts)), seed=config.seed + r)
         else:
@@ -194,7 +194,8 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
             seed = tf.stack([seed_base[0] * 1_000_003 + seed_base[1], i])
             return _train_image(data, seed, config), label
 
-        ds = ds.map(train_map, num_parallel_calls=AUTOTUNE, deterministic=False)
+        # Deterministic order (still parallel): a resumed run must see the same batches.
+        ds = ds.map(train_map, num_parallel_calls=AUTOTUNE, deterministic=True)
         ds = ds.batch(b, drop_remainder=True)
     else:
         mine = len(range(r, n, n_rep))

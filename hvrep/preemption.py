@@ -1,0 +1,43 @@
+"""Stopping cleanly on SIGTERM / SIGUSR1 (Slurm preemption, ``sbatch --signal``).
+
+A signal may reach only some ranks: ``srun`` signals every task, ``mpirun``
+and ``horovodrun`` forward differently. So the handler only sets a local flag,
+and the training loop agrees on stopping by reducing the flag (max) across
+replicas at each step boundary: everyone stops at the same step, the chief
+saves, all exit 0, ready for requeue.
+"""
+
+from __future__ import annotations
+
+import signal
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Set by a signal handler; read by the loop."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, _frame: types.FrameType | None) -> None:
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_signals(signals: tuple[signal.Signals, ...] = SIGNALS) -> Iterator[StopRequest]:
+    """Installs handlers that record the signal instead of dying; restores the old ones after."""
+    request = StopRequest()
+    previous = {s: signal.signal(s, request._handle) for s in signals}
+    try:
+        yield request
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
