@@ -131,7 +131,8 @@ def test_config_typo_names_the_key_and_the_choices(tmp_path):
 
 
 def test_print_config_resolves_presets_and_overrides():
-    res = _train(["--config", "resnet50_imagenet", "--print-config", "train.global_batch=4096", "comm.compression=fp16"])
+    res = _train(["--config", "resnet50_imagenet", "--print-config", "train.global_batch=4096",
+                  "comm.compression=fp16"])
     assert res.returncode == 0, res.stderr
     cfg = json.loads(res.stdout)
     assert cfg["train"]["global_batch"] == 4096 and cfg["comm"]["compression"] == "fp16"
