@@ -137,3 +137,21 @@ def test_print_config_resolves_presets_and_overrides():
     cfg = json.loads(res.stdout)
     assert cfg["train"]["global_batch"] == 4096 and cfg["comm"]["compression"] == "fp16"
     assert cfg["model"]["name"] == "resnet50" and cfg["data"]["backend"] == "dali"
+
+
+@pytest.mark.parametrize("options", [
+    ["train.precision=fp16", "train.jit_compile=true", "data.backend=dali"],
+    ["train.precision=bf16", "comm.compression=fp16", "comm.fusion_threshold_bytes=0"],
+], ids=["fp16-xla-dali", "bf16-fp16compression-unfused"])
+def test_fast_path_options_run_and_are_recorded(demo_data, tmp_path, options):
+    out = tmp_path / "fast"
+    res = _train(["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.max_steps=3",
+                  "train.log_every=1", *options])
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = _events(out)
+    fast = events[0]["fast_path"]
+    for option in options:
+        key, value = option.split("=")
+        field = {"data.backend": "input"}.get(key, key.split(".")[1])
+        assert str(fast[field]).lower() == value, (field, fast)
+    assert all(np.isfinite(e["loss"]) for e in events if e["event"] == "train")
