@@ -25,8 +25,34 @@ import tensorflow as tf
 from hvrep import _env, compat, fusion
 from hvrep.backends.base import Backend, InputContext, check_op, per_replica_batch
 from hvrep.config import CommConfig
-from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError
+from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError, SetupError
 from hvrep.placement import resolve_placement
+
+
+def gpu_for(local_rank: int, num_gpus: int) -> int | None:
+    """The GPU a replica uses: its local rank (wrapping when ranks outnumber GPUs), or None without GPUs."""
+    return local_rank % num_gpus if num_gpus else None
+
+
+def bind_gpu(local_rank: int) -> None:
+    """Makes this process see one GPU, number ``local_rank``, as Horovod's examples do.
+
+    Must run before TensorFlow initialises its GPUs (``Replicator`` calls it at
+    construction). Memory growth on, so ranks sharing a node do not each grab
+    all of a GPU's memory at start-up.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    index = gpu_for(local_rank, len(gpus))
+    if index is None:
+        return
+    try:
+        tf.config.set_visible_devices(gpus[index], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[index], True)
+    except RuntimeError as e:  # GPUs already initialised
+        raise SetupError(
+            f"cannot bind this rank to GPU {index}: TensorFlow already initialised its GPUs ({e}). Fix: create "
+            "hvrep.Replicator before running any TensorFlow op."
+        ) from e
 
 
 @contextlib.contextmanager
@@ -51,6 +77,7 @@ class HorovodBackend(Backend):
         _env.set_horovod_knobs(config.fusion_threshold_bytes, config.cycle_time_ms)
         self.hvd = compat.import_horovod()
         self.hvd.init()
+        bind_gpu(int(self.hvd.local_rank()))
         self._scope_vars: dict[int, tf.Variable] = {}
         self._functions: dict[Any, tuple[Any, Any]] = {}
         self._signature: list[str] | None = None

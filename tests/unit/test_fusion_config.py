@@ -79,3 +79,4 @@ def test_comm_config_defaults_are_horovods():
     assert cfg.fusion_threshold_bytes == 128 * 1024 * 1024 and cfg.cycle_time_ms == 1.0
     with pytest.raises(AttributeError):
         cfg.compression = "fp16"  # frozen
+
