@@ -60,6 +60,20 @@ TPU_NAME = "TPU_NAME"
 # Devices.
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
+# Paths a rank needs to find the same Python, libraries and packages as the launching shell.
+PATH = "PATH"
+LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
+PYTHONPATH = "PYTHONPATH"
+VIRTUAL_ENV = "VIRTUAL_ENV"
+
+# What `hvrep launch` forwards with `mpirun -x NAME`: every variable whose name
+# starts with one of FORWARD_PREFIXES, and each of FORWARD_NAMES that is set.
+# Ranks on the launching node inherit the whole environment anyway; ranks on
+# other nodes get only what is forwarded, so an NCCL_SOCKET_IFNAME exported on
+# the head node would otherwise apply there alone.
+FORWARD_PREFIXES: tuple[str, ...] = ("NCCL_", "HOROVOD_", "TF_")
+FORWARD_NAMES: tuple[str, ...] = (CUDA_VISIBLE_DEVICES, LD_LIBRARY_PATH, PATH, PYTHONPATH, VIRTUAL_ENV)
+
 # The C/C++ compiler's extra include path (the Horovod build extends it).
 CPATH = "CPATH"
 CPLUS_INCLUDE_PATH = "CPLUS_INCLUDE_PATH"
@@ -79,6 +93,11 @@ def launcher_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The launcher variables that are set, as a plain dict (a snapshot)."""
     env = os.environ if environ is None else environ
     return {k: env[k] for k in LAUNCHER_VARS if k in env}
+
+
+def environ_snapshot() -> dict[str, str]:
+    """This process's whole environment, copied: what a launcher forwards and hands to its child."""
+    return dict(os.environ)
 
 
 def cache_dir() -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from hvrep._version import __version__
@@ -53,7 +54,25 @@ def _data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from hvrep import launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else None
+    spec = launch.LaunchSpec(
+        np=args.np, command=tuple(command), hosts=hosts, launcher=args.launcher, bind=args.bind, gloo=args.gloo,
+        allow_run_as_root=args.allow_run_as_root, overcommit=args.overcommit,
+        extra=tuple(shlex.split(args.launcher_args)),
+    )
+    if args.dry_run:
+        print(launch.format_argv(spec))
+        return 0
+    return launch.run(spec)
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    from hvrep.launch import BINDINGS, LAUNCHERS
+
     parser = argparse.ArgumentParser(prog="hvrep", description="Replicated TensorFlow training on Horovod.")
     parser.add_argument("--version", action="version", version=f"hvrep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +103,29 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="a bad JPEG stops the run (raise) or is left out and listed (skip)")
     p.add_argument("--seed", type=int, default=0, help="the shuffle that spreads classes over shards")
     p.set_defaults(func=_data_prepare)
+
+    p = sub.add_parser(
+        "launch", help="start N ranks with horovodrun, mpirun or srun, set up right (see hvrep/launch.py)",
+        usage="hvrep launch --np N [options] -- CMD...",
+    )
+    p.add_argument("--np", type=int, required=True, help="number of ranks")
+    p.add_argument("--hosts", default="", metavar="H:S,...",
+                   help="hosts and their slots, e.g. node1:4,node2:4 (default: this machine)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="horovodrun")
+    p.add_argument("--bind", choices=BINDINGS, default="none",
+                   help="process binding (default none: training processes are multi-threaded)")
+    p.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True,
+                   help="horovodrun only: Gloo (default) or, with --no-gloo, MPI as the controller")
+    p.add_argument("--allow-run-as-root", action="store_true",
+                   help="mpirun only: let Open MPI run as root (containers, CI)")
+    p.add_argument("--overcommit", action="store_true",
+                   help="allow more ranks than CPUs: srun --overcommit (without it `srun -n 3` on a 2-CPU node "
+                   "waits forever), mpirun --map-by slot:OVERSUBSCRIBE")
+    p.add_argument("--launcher-args", default="", metavar="ARGS",
+                   help="more launcher arguments, one shell-quoted string, e.g. '--mca btl_tcp_if_include eth0'")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the program every rank runs")
+    p.set_defaults(func=_launch)
     return parser
 
 
