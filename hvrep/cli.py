@@ -77,6 +77,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hvrep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a ResNet on every rank (see `hvrep train --help`)", add_help=False)
+    sub.add_parser("report", help="scaling report from run dirs / benchmark results (see `hvrep report --help`)",
+                   add_help=False)
 
     p = sub.add_parser("doctor", help="print the environment a bug report needs; check requirements")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -135,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from hvrep.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from hvrep.report import main as report_main
+
+        return report_main(argv[1:])
     args = _build_parser().parse_args(argv)
     # Keep TensorFlow's C++ start-up chatter out of the command's output.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

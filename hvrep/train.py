@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -155,7 +156,9 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile,
                  "input": cfg.data.backend, "compression": cfg.comm.compression,
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups}
-    metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path,
+    env = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+           "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
+    metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
                   optimizer=type(getattr(optimizer, "inner_optimizer", optimizer)).__name__, epochs=epochs,
                   steps_per_epoch=steps_per_epoch, resumed_from=str(restored) if restored else None)
     if chief:
