@@ -77,6 +77,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hvrep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a ResNet on every rank (see `hvrep train --help`)", add_help=False)
+    sub.add_parser("bench", help="throughput benchmark and scaling sweep (see `hvrep bench --help`)",
+                   add_help=False)
     sub.add_parser("report", help="scaling report from run dirs / benchmark results (see `hvrep report --help`)",
                    add_help=False)
 
@@ -137,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         from hvrep.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from hvrep.bench import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["report"]:
         from hvrep.report import main as report_main
 

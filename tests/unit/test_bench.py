@@ -1,0 +1,53 @@
+"""`hvrep bench scaling` really launches 1 and 2 ranks, and `hvrep report` turns the results into a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HVREP = str(Path(sys.executable).parent / "hvrep")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+@pytest.mark.multirank
+def test_scaling_sweep_then_report(tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    res = subprocess.run([HVREP, "bench", "scaling", "--ranks", "1,2", "--launcher", "mpirun", "--steps", "3",
+                          "--out", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["config"]["ranks"] for r in lines] == [1, 2]
+    assert all(r["mode"] == "hvrep" and r["summary"]["images_per_sec"] > 0 for r in lines)
+    assert lines[1]["config"]["backend"] == "horovod" and lines[1]["config"]["global_batch"] == 64  # weak scaling
+    breakdown = lines[1]["summary"]["step_time_breakdown"]
+    assert set(breakdown) == {"compute_s", "communication_s", "input_wait_s"} and breakdown["compute_s"] > 0
+    baseline = [json.loads(x) for x in (tmp_path / "scaling-baseline.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in baseline] == ["baseline", "baseline"]
+
+    res = subprocess.run([HVREP, "report", str(out), "--out", str(tmp_path / "report")], capture_output=True,
+                         text=True, env=_env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "weak scaling" in report and "| 2 |" in report and "Step-time breakdown" in report
+    assert (tmp_path / "report" / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dry_run_prints_each_launch():
+    res = subprocess.run([HVREP, "bench", "scaling", "--ranks", "1,2,4", "--mode", "strong", "--global-batch", "64",
+                          "--launcher", "srun", "--dry-run"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [x for x in res.stdout.splitlines() if x.startswith("hvrep bench scaling:")]
+    assert len(lines) == 3
+    assert "--per-replica-batch 64" in lines[0] and "--per-replica-batch 16" in lines[2]
+    assert "srun --mpi=pmix -n 4" in lines[2]
