@@ -63,11 +63,21 @@ def _spread(seconds: Sequence[float]) -> dict[str, float]:
 
 
 def throughput(model_name: str = "small_resnet", per_replica_batch: int = 32, image_size: int = 32,
-               steps: int = 20, warmup: int = 3, seed: int = 0) -> list[dict[str, Any]]:
-    """Measures both modes on this rank; returns the JSON records (the same on every rank)."""
+               steps: int = 20, warmup: int = 3, seed: int = 0, threads_per_rank: int | None = None
+               ) -> list[dict[str, Any]]:
+    """Measures both modes on this rank; returns the JSON records (the same on every rank).
+
+    ``threads_per_rank`` caps TensorFlow's intra- and inter-op threads: on a CPU
+    machine, 1 thread per rank makes 1 rank use one core, so 1 vs N ranks
+    compares N times the hardware, as scaling efficiency assumes.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
     import tensorflow as tf
+
+    if threads_per_rank:
+        tf.config.threading.set_intra_op_parallelism_threads(threads_per_rank)
+        tf.config.threading.set_inter_op_parallelism_threads(threads_per_rank)
 
     import hvrep
     from hvrep import compat, doctor, models
@@ -161,7 +171,8 @@ def throughput(model_name: str = "small_resnet", per_replica_batch: int = 32, im
            "doctor": doctor.collect(with_tensorflow=False)}
     config = {"model": model_name, "image_size": image_size, "ranks": n, "per_replica_batch": per_replica_batch,
               "global_batch": per_replica_batch * n, "backend": repl.backend, "steps": steps, "warmup": warmup,
-              "launcher": hvrep.resolve_placement().launcher, "data": "synthetic"}
+              "launcher": hvrep.resolve_placement().launcher, "data": "synthetic",
+              "threads_per_rank": threads_per_rank}
     records = []
     for mode in ("hvrep", "baseline"):
         spread = _spread(times[mode])
@@ -203,7 +214,8 @@ def _write(records: list[dict[str, Any]], out: Path) -> None:
 
 
 def scaling(ranks: Sequence[int], launcher: str, out: Path, mode: str, model: str, per_replica_batch: int,
-            global_batch: int | None, image_size: int, steps: int, dry_run: bool = False) -> int:
+            global_batch: int | None, image_size: int, steps: int, dry_run: bool = False,
+            threads_per_rank: int | None = None) -> int:
     """Runs ``throughput`` once per rank count (weak: fixed per-replica batch; strong: fixed global batch)."""
     from hvrep import launch
 
@@ -216,7 +228,8 @@ def scaling(ranks: Sequence[int], launcher: str, out: Path, mode: str, model: st
         if mode == "strong" and (global_batch or 0) % r:
             raise ConfigError(f"--global-batch {global_batch} does not divide by {r} ranks.")
         cmd = [sys.executable, "-m", "hvrep.bench", "throughput", "--model", model, "--per-replica-batch", str(b),
-               "--image-size", str(image_size), "--steps", str(steps), "--out", str(out)]
+               "--image-size", str(image_size), "--steps", str(steps), "--out", str(out),
+               *(["--threads-per-rank", str(threads_per_rank)] if threads_per_rank else [])]
         spec = None
         if r > 1:
             spec = launch.LaunchSpec(np=r, command=tuple(cmd), launcher=launcher,
@@ -247,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("results/throughput.jsonl"))
+    p.add_argument("--threads-per-rank", type=int, default=None, help="cap TF's threads per rank (CPU scaling)")
     s = sub.add_parser("scaling", help="throughput at each rank count, launched for you")
     s.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     s.add_argument("--launcher", choices=("horovodrun", "mpirun", "srun"), default="horovodrun")
@@ -259,10 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--out", type=Path, default=Path("results/scaling.jsonl"))
     s.add_argument("--dry-run", action="store_true", help="print the commands only")
+    s.add_argument("--threads-per-rank", type=int, default=None,
+                   help="cap TF's threads per rank; 1 on a CPU machine makes 1 rank use one core")
     args = parser.parse_args(argv)
     try:
         if args.what == "throughput":
-            records = throughput(args.model, args.per_replica_batch, args.image_size, args.steps, args.warmup)
+            records = throughput(args.model, args.per_replica_batch, args.image_size, args.steps, args.warmup,
+                                 threads_per_rank=args.threads_per_rank)
             import hvrep
 
             if hvrep.resolve_placement().rank == 0:
@@ -273,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
         return scaling(ranks, args.launcher, args.out, args.mode, args.model, args.per_replica_batch,
-                       args.global_batch, args.image_size, args.steps, args.dry_run)
+                       args.global_batch, args.image_size, args.steps, args.dry_run, args.threads_per_rank)
     except ConfigError as e:
         print(f"hvrep bench: error: {e}", file=sys.stderr)
         return 2
