@@ -418,7 +418,7 @@ def _breakdown_by_ranks(runs: Sequence[Run]) -> dict[int, StepBreakdown]:
 
 
 def render(runs: Sequence[Run], out_dir: str | Path, interconnect: costmodel.Interconnect | None = None,
-           allow_mixed: bool = False) -> Path:
+           allow_mixed: bool = False, calibration: costmodel.Calibration | None = None) -> Path:
     """Writes out_dir/report.md and its PNG plots; returns the report's path.
 
     Args:
@@ -438,7 +438,7 @@ def render(runs: Sequence[Run], out_dir: str | Path, interconnect: costmodel.Int
         _plot_breakdown(breakdown, out / _BREAKDOWN_PNG)
     else:
         (out / _BREAKDOWN_PNG).unlink(missing_ok=True)  # never leave an earlier report's plot beside this one
-    lines = _report_lines(runs, comparison, rows, breakdown, interconnect)
+    lines = _report_lines(runs, comparison, rows, breakdown, interconnect, calibration)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -507,7 +507,8 @@ def _plot_breakdown(breakdown: dict[int, StepBreakdown], path: Path) -> None:
 
 
 def _report_lines(runs: Sequence[Run], comparison: Comparison, rows: list[ScalingRow],
-                  breakdown: dict[int, StepBreakdown], link: costmodel.Interconnect | None) -> list[str]:
+                  breakdown: dict[int, StepBreakdown], link: costmodel.Interconnect | None,
+                  calibration: costmodel.Calibration | None = None) -> list[str]:
     base = rows[0]
     first = runs[0]
     mode = {
@@ -557,7 +558,7 @@ def _report_lines(runs: Sequence[Run], comparison: Comparison, rows: list[Scalin
               f"{r.images_per_sec:,.1f} | {r.backend or _NOT_RECORDED} |" for r in runs]
     lines.append("")
     if link is not None:
-        lines += _model_lines(link)
+        lines += _model_lines(link, calibration)
     return lines
 
 
@@ -572,9 +573,38 @@ def _hardware_text(runs: Sequence[Run]) -> str:
     return "; ".join(parts) + (f"; {_NOT_RECORDED} for {unknown} result(s)" if unknown else "")
 
 
-def _model_lines(link: costmodel.Interconnect) -> list[str]:
-    """The cost model's predictions for H100 ResNet-50 on ``link``, next to the published points."""
+def load_calibration(path: str | Path) -> costmodel.Calibration:
+    """Fits the cost model to ``benchmarks/allreduce.py`` results (median time per case).
+
+    Uses the hvrep and Horovod cases that ran (fused and unfused, fp32 and fp16),
+    as (ranks, wire bytes, collectives, seconds).
+    """
+    points = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("benchmark") != "allreduce" or not rec.get("ok") or not rec.get("collectives"):
+            continue
+        if str(rec.get("kind", "")).startswith("mpi4py"):
+            continue  # one contiguous buffer outside Horovod: another code path
+        points.append((int(rec["config"]["ranks"]), float(rec["wire_bytes"]), int(rec["collectives"]),
+                       float(rec["summary"]["median_ms"]) / 1000))
+    if not points:
+        raise DataError(f"{path} holds no all-reduce results. Fix: run `mpirun -np 2 python -m mpi4py "
+                        "benchmarks/allreduce.py --out FILE` and pass FILE.")
+    return costmodel.calibrate(points)
+
+
+def _model_lines(link: costmodel.Interconnect, calibration: costmodel.Calibration | None = None) -> list[str]:
+    """The cost model's predictions for H100 ResNet-50 on ``link``, next to the published points.
+
+    With ``calibration``, β_tensor (the per-collective overhead fusion removes) is
+    the one fitted to measured all-reduces; α and B stay the link's, since the
+    measurement machine's own link is not the one being predicted.
+    """
     cm = costmodel
+    beta = calibration.beta_tensor_s if calibration is not None else cm.DEFAULT_BETA_TENSOR_S
     compute, nbytes = cm.H100_RESNET50_COMPUTE_S, cm.RESNET50_GRAD_BYTES
     fused = cm.collectives_for(nbytes, cm.RESNET50_TENSORS, _FUSION_THRESHOLD_BYTES)
     unfused = cm.RESNET50_TENSORS
@@ -590,7 +620,11 @@ def _model_lines(link: costmodel.Interconnect) -> list[str]:
              "    efficiency      = compute / (compute + all-reduce time)   (no overlap)", "",
              f"- link: {link.name}: B = {link.bus_bandwidth_GBps:g} GB/s per GPU, α = {link.latency_us:g} µs "
              "(assumed achievable figures; their sources are in `hvrep/costmodel.py`)",
-             f"- β_tensor = {1e6 * cm.DEFAULT_BETA_TENSOR_S:g} µs per collective (assumed, not calibrated)",
+             (f"- β_tensor = {1e6 * beta:.1f} µs per collective, CALIBRATED from measured all-reduces "
+              f"({calibration.points} cases; the same fit gives α = {1e6 * calibration.alpha_s:.1f} µs and "
+              f"B = {calibration.bus_bandwidth_GBps:.2f} GB/s for the measuring machine's own link, not used "
+              f"here; rms residual {1e3 * calibration.rms_residual_s:.1f} ms)" if calibration is not None else
+              f"- β_tensor = {1e6 * beta:g} µs per collective (assumed, not calibrated: pass --calibrate)"),
              f"- compute = {1e3 * compute:.1f} ms per step: the published MLPerf 8 × H100 ResNet-50 rate of "
              f"approximately {cm.MLPERF_H100_RESNET50_IMAGES_PER_SEC_PER_GPU:,.0f} images/s per GPU at a per-GPU "
              f"batch of {cm.MLPERF_H100_RESNET50_BATCH_PER_GPU}",
@@ -610,13 +644,13 @@ def _model_lines(link: costmodel.Interconnect) -> list[str]:
     rule += "---:|---|"
     lines += [header, rule]
     for gpus in _MODEL_GPUS:
-        flat = cm.predict(gpus, compute, nbytes, link, fused)
-        flat_unfused = cm.predict(gpus, compute, nbytes, link, unfused)
+        flat = cm.predict(gpus, compute, nbytes, link, fused, beta_tensor_s=beta)
+        flat_unfused = cm.predict(gpus, compute, nbytes, link, unfused, beta_tensor_s=beta)
         cells = [str(gpus), f"{1e3 * flat.communication_s:.2f}", f"{100 * flat.efficiency:.1f}%",
                  f"{100 * flat_unfused.efficiency:.1f}%"]
         best = flat.efficiency
         if two_level:
-            hier = cm.predict(gpus, compute, nbytes, link, fused, gpus_per_node=_GPUS_PER_NODE)
+            hier = cm.predict(gpus, compute, nbytes, link, fused, gpus_per_node=_GPUS_PER_NODE, beta_tensor_s=beta)
             cells += [f"{1e3 * hier.communication_s:.2f}", f"{100 * hier.efficiency:.1f}%"]
             best = max(best, hier.efficiency)
         cells.append(f"{gpus * cm.MLPERF_H100_RESNET50_IMAGES_PER_SEC_PER_GPU * best:,.0f}")
@@ -659,11 +693,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="report results that differ in model, batch rule or hardware, listing the differences")
     parser.add_argument("--interconnect", choices=list(costmodel.PRESETS), default=None,
                         help="add the cost model's predicted scaling (8-1,024 H100 GPUs) on this link, labelled model")
+    parser.add_argument("--calibrate", type=Path, default=None, metavar="ALLREDUCE_JSONL",
+                        help="fit the model's per-collective overhead to benchmarks/allreduce.py results")
     args = parser.parse_args(argv)
     try:
         runs = load_results(args.results)
         link = costmodel.interconnect(args.interconnect) if args.interconnect else None
-        path = render(runs, args.out, interconnect=link, allow_mixed=args.allow_mixed)
+        calibration = load_calibration(args.calibrate) if args.calibrate else None
+        if calibration is not None and link is None:
+            raise ConfigError("--calibrate feeds the cost model: add --interconnect nvlink|ndr|100gbe|25gbe.")
+        path = render(runs, args.out, interconnect=link, allow_mixed=args.allow_mixed, calibration=calibration)
     except HvrepError as e:
         print(f"hvrep report: error: {e}", file=sys.stderr)
         return 2
