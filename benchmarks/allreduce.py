@@ -57,8 +57,6 @@ import datetime
 import json
 import math
 import os
-import platform
-import socket
 import sys
 import time
 import uuid
@@ -73,9 +71,14 @@ import numpy as np
 import tensorflow as tf
 
 import hvrep
-from hvrep import _env, compat, doctor
+from hvrep import _env, compat
 from hvrep.errors import CollectiveError
 from hvrep.models import resnet50_variable_shapes
+
+# Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment as common_environment
+from _common import fmt_ratio, percentiles, ratio
 
 MiB = 1024 * 1024
 THRESHOLDS = (0, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 128 * MiB)
@@ -164,27 +167,8 @@ def _check(means: Sequence[np.ndarray], bases: Sequence[np.ndarray], factor: flo
             "rtol": rtol, "atol": atol}
 
 
-def _percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    a = np.asarray(samples_ms, dtype=np.float64)
-    return {
-        "median_ms": float(np.median(a)),
-        "p10_ms": float(np.percentile(a, 10)),
-        "p90_ms": float(np.percentile(a, 90)),
-        "min_ms": float(a.min()),
-        "max_ms": float(a.max()),
-    }
 
 
-def _ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float] | None:
-    """Ratio of medians of a over b, with the spread of the per-round ratios (same round, same load)."""
-    if not a or not b:
-        return None
-    per_round = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
-    return {
-        "of_medians": float(np.median(a) / np.median(b)),
-        "per_round_p10": float(np.percentile(per_round, 10)),
-        "per_round_p90": float(np.percentile(per_round, 90)),
-    }
 
 
 def _make_replicator(threshold: int, compression: str) -> hvrep.Replicator | CollectiveError:
@@ -281,16 +265,13 @@ def _timed(case: _Case, barrier: Callable[[], None]) -> tuple[float, Any]:
 
 
 def _environment(hvd: Any, comm: Any) -> dict[str, Any]:
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     mpi_library = None
     if comm is not None:
         from mpi4py import MPI
 
         mpi_library = MPI.Get_library_version().strip().splitlines()[0]
     return {
-        "python": sys.version.split()[0],
-        "tensorflow": tf.__version__,
-        "numpy": np.__version__,
+        **common_environment(),
         "horovod": {
             "mpi_built": bool(hvd.mpi_built()),
             "gloo_built": bool(hvd.gloo_built()),
@@ -300,13 +281,6 @@ def _environment(hvd: Any, comm: Any) -> dict[str, Any]:
             "cycle_time_ms": os.environ.get(_env.HOROVOD_CYCLE_TIME),
         },
         "mpi_library": mpi_library,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable_rank0": len(cpus) if cpus is not None else None,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
-        "doctor": doctor.collect(with_tensorflow=False),
     }
 
 
@@ -440,13 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts = {r["collectives"][i] for r in per_rank}
         summary = None
         if case.runnable:
-            summary = _percentiles(times)
+            summary = percentiles(times)
             seconds = summary["median_ms"] * 1e-3
             summary["algbw_gbps"] = payload_bytes / seconds / 1e9
             summary["busbw_gbps"] = summary["algbw_gbps"] * bus_factor
             summary["wire_busbw_gbps"] = case.wire_bytes / seconds / 1e9 * bus_factor
-            summary["vs_mpi4py_contiguous"] = _ratio(times, job_times[limit.name])
-            summary["vs_hvd_allreduce_per_tensor"] = _ratio(times, job_times[reference.name])
+            summary["vs_mpi4py_contiguous"] = ratio(times, job_times[limit.name])
+            summary["vs_hvd_allreduce_per_tensor"] = ratio(times, job_times[reference.name])
         records.append({
             "benchmark": "allreduce",
             "run_id": run_id,
@@ -480,10 +454,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _fmt_ratio(r: dict[str, float] | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r['of_medians']:.2f} [{r['per_round_p10']:.2f}-{r['per_round_p90']:.2f}]"
 
 
 def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dict[str, Any], out: Path) -> None:
@@ -492,7 +462,7 @@ def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dic
           f"floats = {config['payload_bytes'] / 1e6:.1f} MB; {config['ranks']} ranks via {config['launcher']}, "
           f"Horovod controller {hv['controller']}, Horovod's own fusion threshold {hv['fusion_threshold_bytes']} B")
     print(f"warm-up {config['warmup']}, repeats {config['repeats']} (round-robin); TF {env['tensorflow']}, "
-          f"{env['cpu_count']} CPUs ({env['cpus_usable_rank0']} usable by rank 0), {env['hostname']}; "
+          f"{env['cpu_count']} CPUs ({env['cpus_usable']} usable by rank 0), {env['hostname']}; "
           f"load average {env['loadavg_before'][0]:.2f} -> {env['loadavg_after'][0]:.2f}")
     header = (f"{'case':<26} {'coll':>5} {'wire MB':>8} {'median ms':>10} {'p10':>8} {'p90':>8} {'algbw':>6} "
               f"{'busbw':>6}  {'vs mpi4py limit':<19} {'vs hvd.allreduce':<19} {'correct':<7}")
@@ -506,7 +476,7 @@ def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dic
             continue
         print(f"{r['case']:<26} {r['collectives']!s:>5} {r['wire_bytes'] / 1e6:>8.1f} {s['median_ms']:>10.2f} "
               f"{s['p10_ms']:>8.2f} {s['p90_ms']:>8.2f} {s['algbw_gbps']:>6.2f} {s['busbw_gbps']:>6.2f}  "
-              f"{_fmt_ratio(s['vs_mpi4py_contiguous']):<19} {_fmt_ratio(s['vs_hvd_allreduce_per_tensor']):<19} "
+              f"{fmt_ratio(s['vs_mpi4py_contiguous']):<19} {fmt_ratio(s['vs_hvd_allreduce_per_tensor']):<19} "
               f"{'yes' if r['correct'] else 'NO':<7}")
     print("coll: collectives issued (hvrep: repl.collective_calls); algbw/busbw in GB/s of fp32 payload, "
           "busbw = algbw x 2(N-1)/N;")

@@ -61,7 +61,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -78,9 +77,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import tensorflow as tf
 
-from hvrep import doctor
 from hvrep.data import DataConfig, make_dataset, prepare
 from hvrep.data.files import list_folder
+
+# Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment as common_environment
+from _common import fmt_ratio, ratio
 
 GOAL = 0.8  # pipeline images/s over decode-only images/s, same cores, same files
 JPEG_QUALITY = 90
@@ -362,17 +365,6 @@ def _spread(values: Sequence[float], prefix: str) -> dict[str, float]:
             f"{prefix}_max": float(a.max())}
 
 
-def _ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float] | None:
-    """Ratio of median rates a / b, with the spread of the per-round ratios.
-
-    Round i of a and of b ran seconds apart under the same load; their ratio
-    cancels slow drift that the medians alone would carry.
-    """
-    if not a or not b or len(a) != len(b):
-        return None
-    per_round = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
-    return {"of_medians": float(np.median(a) / np.median(b)), "per_round_p10": float(np.percentile(per_round, 10)),
-            "per_round_p90": float(np.percentile(per_round, 90))}
 
 
 def _summary(case: _Case) -> dict[str, Any]:
@@ -397,8 +389,6 @@ def _summary(case: _Case) -> dict[str, Any]:
 def _environment() -> dict[str, Any]:
     from PIL import features
 
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-
     def version(name: str) -> str | None:
         try:
             return md.version(name)
@@ -406,24 +396,13 @@ def _environment() -> dict[str, Any]:
             return None
 
     return {
-        "python": sys.version.split()[0],
-        "tensorflow": tf.__version__,
-        "keras": version("keras"),
-        "numpy": np.__version__,
+        **common_environment(),
         "pillow": version("pillow"),
         "pillow_libjpeg_turbo": features.check_feature("libjpeg_turbo"),
         "scikit_learn": version("scikit-learn"),
         "nvidia_dali": version("nvidia-dali-cuda120") or version("nvidia-dali-cuda130"),
         "nvidia_dali_tf_plugin": version("nvidia-dali-tf-plugin-cuda120") or version("nvidia-dali-tf-plugin-cuda130"),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(cpus) if cpus is not None else None,
-        "platform": platform.platform(),
         "processor": platform.processor(),
-        "hostname": socket.gethostname(),
-        "devices": [d.name for d in tf.config.list_logical_devices()],
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
-        "doctor": doctor.collect(with_tensorflow=False),
     }
 
 
@@ -525,11 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = None
         if case.error is None and case.passes:
             summary = _summary(case)
-            summary["vs_decode_limit"] = _ratio(rates[case.name], rates[limit.name]) if limit else None
+            summary["vs_decode_limit"] = ratio(rates[case.name], rates[limit.name]) if limit else None
             steady = [p.get("images_per_s_after_first_batch") for p in case.passes]
             summary["vs_decode_limit_after_first_batch"] = (
-                _ratio(steady, rates[limit.name]) if limit and None not in steady else None)
-            summary["vs_decode"] = {c.name: _ratio(rates[case.name], rates[c.name]) for c in ok if c.kind == "decode"}
+                ratio(steady, rates[limit.name]) if limit and None not in steady else None)
+            summary["vs_decode"] = {c.name: ratio(rates[case.name], rates[c.name]) for c in ok if c.kind == "decode"}
             if case.kind == "pipeline" and summary["vs_decode_limit"] is not None:
                 summary["meets_goal"] = summary["vs_decode_limit"]["of_medians"] >= GOAL
                 after = summary["vs_decode_limit_after_first_batch"]
@@ -560,10 +539,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _fmt_ratio(r: dict[str, float] | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r['of_medians']:.2f} [{r['per_round_p10']:.2f}-{r['per_round_p90']:.2f}]"
 
 
 def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dict[str, Any], out: Path) -> None:
@@ -590,11 +565,11 @@ def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dic
         steady = ""
         if s["images_per_s_after_first_batch_median"] is not None:
             steady = (f"{s['images_per_s_after_first_batch_median']:>7.1f}  "
-                      f"{_fmt_ratio(s['vs_decode_limit_after_first_batch'])}")
+                      f"{fmt_ratio(s['vs_decode_limit_after_first_batch'])}")
         print(f"{r['case']:<38} {r['threads']:>3} {s['images_per_s_median']:>12.1f} {s['images_per_s_p10']:>7.1f} "
               f"{s['images_per_s_p90']:>7.1f} {s['images_per_s_per_core_median']:>8.1f} "
               f"{s['images_per_cpu_s_median']:>9.1f} {s['cpu_utilisation_median']:>7.0%} {others:>6}  "
-              f"{_fmt_ratio(s['vs_decode_limit']):<20} {goal:<4} {steady}")
+              f"{fmt_ratio(s['vs_decode_limit']):<20} {goal:<4} {steady}")
     print(f"decode limit: {config['decode_limit_case']} ({config['decode_limit_rule']}); goal: {config['goal']}")
     print("ratios: of medians [p10-p90 of per-round ratios]; goal: on the whole epoch. CPU use: process CPU time / "
           "(wall x threads); others: cores busy with other processes meanwhile (median); after 1st batch: the epoch "

@@ -30,8 +30,6 @@ import datetime
 import json
 import math
 import os
-import platform
-import socket
 import sys
 import time
 import traceback
@@ -47,9 +45,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvrep import doctor
 from hvrep.models import resnet50_variable_shapes
 from hvrep.optimizers import LARS, MomentumSGD
+
+# Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment as common_environment
+from _common import fmt_ratio, percentiles, ratio
 
 MODES = ("eager", "tf.function", "xla")
 OPTIMIZERS = ("LARS", "MomentumSGD", "keras.SGD")
@@ -129,32 +131,8 @@ def _make_sync(variable: keras.Variable) -> Callable[[], float]:
     return sync
 
 
-def _percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    a = np.asarray(samples_ms, dtype=np.float64)
-    return {
-        "median_ms": float(np.median(a)),
-        "p10_ms": float(np.percentile(a, 10)),
-        "p90_ms": float(np.percentile(a, 90)),
-        "min_ms": float(a.min()),
-        "max_ms": float(a.max()),
-    }
 
 
-def _ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float] | None:
-    """Ratio of medians of a over b, with the spread of the per-round ratios.
-
-    The cases run round-robin, so round i of a and of b ran seconds apart
-    under the same load; their ratio cancels slow drift that the medians alone
-    would carry.
-    """
-    if not a or not b:
-        return None
-    per_round = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
-    return {
-        "of_medians": float(np.median(a) / np.median(b)),
-        "per_round_p10": float(np.percentile(per_round, 10)),
-        "per_round_p90": float(np.percentile(per_round, 90)),
-    }
 
 
 @dataclass
@@ -177,21 +155,7 @@ class _Case:
 
 
 def _environment() -> dict[str, Any]:
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    return {
-        "python": sys.version.split()[0],
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "numpy": np.__version__,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(cpus) if cpus is not None else None,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "devices": [d.name for d in tf.config.list_logical_devices()],
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
-        "doctor": doctor.collect(with_tensorflow=False),
-    }
+    return common_environment()
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -285,17 +249,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = _environment()
     env["loadavg_before"] = list(load_before)
     env["loadavg_after"] = list(load_after)
-    sync_summary = _percentiles(sync_ms) if sync_ms else None
+    sync_summary = percentiles(sync_ms) if sync_ms else None
 
     records = []
     for case in cases:
         summary = None
         if case.error is None:
-            summary = _percentiles(case.timings_ms)
+            summary = percentiles(case.timings_ms)
             summary["gbps_at_median"] = bytes_per_step / (summary["median_ms"] * 1e-3) / 1e9
-            summary["vs_lars_tf_function"] = _ratio(case.timings_ms, baseline)
-            summary["vs_momentum_sgd_same_mode"] = _ratio(case.timings_ms, by_key["MomentumSGD", case.mode].timings_ms)
-            summary["vs_keras_sgd_same_mode"] = _ratio(case.timings_ms, by_key["keras.SGD", case.mode].timings_ms)
+            summary["vs_lars_tf_function"] = ratio(case.timings_ms, baseline)
+            summary["vs_momentum_sgd_same_mode"] = ratio(case.timings_ms, by_key["MomentumSGD", case.mode].timings_ms)
+            summary["vs_keras_sgd_same_mode"] = ratio(case.timings_ms, by_key["keras.SGD", case.mode].timings_ms)
         records.append({
             "benchmark": "optimizer_apply",
             "run_id": run_id,
@@ -324,10 +288,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _fmt_ratio(r: dict[str, float] | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r['of_medians']:.2f} [{r['per_round_p10']:.2f}-{r['per_round_p90']:.2f}]"
 
 
 def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dict[str, Any],
@@ -350,8 +310,8 @@ def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dic
             continue
         print(f"{r['optimizer']:<12} {r['mode']:<12} {s['median_ms']:>10.2f} {s['p10_ms']:>9.2f} "
               f"{s['p90_ms']:>9.2f} {s['min_ms']:>9.2f} {s['gbps_at_median']:>6.2f}  "
-              f"{_fmt_ratio(s['vs_lars_tf_function']):<20} {_fmt_ratio(s['vs_momentum_sgd_same_mode']):<20} "
-              f"{_fmt_ratio(s['vs_keras_sgd_same_mode']):<20}")
+              f"{fmt_ratio(s['vs_lars_tf_function']):<20} {fmt_ratio(s['vs_momentum_sgd_same_mode']):<20} "
+              f"{fmt_ratio(s['vs_keras_sgd_same_mode']):<20}")
     traces = {r["traces"] for r in records if r["traces"] is not None}
     print(f"traces per tf.function: {sorted(traces)} (1 means no retracing while timed)")
     print("ratios: of medians [p10-p90 of per-round ratios]; >1 is slower than the reference.")

@@ -1,0 +1,63 @@
+"""What the benchmarks share: round-robin ratios, spreads, and the common environment record.
+
+Every benchmark times its cases round-robin (one call of each case per
+round), so round i of two cases ran seconds apart under the same load;
+ratios are taken per round, which cancels slow drift on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    """median, p10, p90, min and max of timings in milliseconds."""
+    a = np.asarray(samples_ms, dtype=np.float64)
+    return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
+            "p90_ms": float(np.percentile(a, 90)), "min_ms": float(a.min()), "max_ms": float(a.max())}
+
+
+def ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float] | None:
+    """Ratio of the medians of a over b, with the spread (p10-p90) of the per-round ratios."""
+    if not a or not b or len(a) != len(b):
+        return None
+    per_round = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
+    return {"of_medians": float(np.median(a) / np.median(b)), "per_round_p10": float(np.percentile(per_round, 10)),
+            "per_round_p90": float(np.percentile(per_round, 90))}
+
+
+def fmt_ratio(r: dict[str, float] | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r['of_medians']:.2f} [{r['per_round_p10']:.2f}-{r['per_round_p90']:.2f}]"
+
+
+def environment() -> dict[str, Any]:
+    """Versions, machine, TF threading and ``hvrep doctor``'s quick report; benchmarks add their own fields."""
+    import keras
+    import tensorflow as tf
+
+    from hvrep import doctor
+
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "python": sys.version.split()[0],
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(cpus) if cpus is not None else None,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "devices": [d.name for d in tf.config.list_logical_devices()],
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+        "doctor": doctor.collect(with_tensorflow=False),
+    }
