@@ -1,0 +1,44 @@
+# shellcheck shell=bash
+# Sourced by every script in slurm/ (inside the batch job, before srun). Defaults only: a variable
+# already set when you submit (sbatch exports your environment) wins.
+
+# The hvrep checkout and the virtual environment `make setup` built in it. Submit from the checkout,
+# or set HVREP_HOME (and HVREP_VENV for a venv elsewhere). srun passes the activated PATH to every task.
+HVREP_HOME=${HVREP_HOME:-$SLURM_SUBMIT_DIR}
+# shellcheck source=/dev/null
+source "${HVREP_VENV:-$HVREP_HOME/.venv}/bin/activate"
+
+# NCCL prints warnings only; INFO prints every rank's rings and transports (set it to debug a hang
+# or a slow all-reduce: it says whether NVLink/P2P, shared memory, InfiniBand or sockets were chosen).
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Uncomment on clusters without InfiniBand, or whose IB stack NCCL picks up but cannot use
+# (a hang at the first all-reduce): NCCL then falls back to TCP sockets.
+# export NCCL_IB_DISABLE=1
+# Uncomment when nodes have several NICs and NCCL picks the wrong one (docker0, a management LAN):
+# export NCCL_SOCKET_IFNAME=ib0
+#
+# Horovod's knobs are deliberately not set: hvrep fills in HOROVOD_FUSION_THRESHOLD and
+# HOROVOD_CYCLE_TIME from its configuration (comm.fusion_threshold_bytes, comm.cycle_time_ms) only
+# when they are unset, so an export here would silently win over the configuration recorded in
+# metrics.jsonl. Change them with overrides instead: comm.fusion_threshold_bytes=67108864.
+
+# One OpenMP/oneDNN thread pool per rank sized to the rank's CPUs, not to the whole node (8 ranks
+# each starting a pool of all the node's cores oversubscribe it).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+# Slurm 22.05 stopped handing the job's --cpus-per-task to srun (srun's man page); this does.
+if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+  export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}
+fi
+# TensorFlow's C++ INFO lines (oneDNN, CPU features), once per rank, drown the job's output.
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
+
+# The output folder of a run: OUTPUT_DIR if set, else runs/<job name>-<job id> (the job id survives
+# a requeue, so a requeued job finds its checkpoints). An output_dir=... among the script's
+# arguments wins, as it does in `hvrep train`.
+hvrep_output_dir() {
+  local dir=${OUTPUT_DIR:-runs/${SLURM_JOB_NAME:-hvrep}-${SLURM_JOB_ID:-local}} arg
+  for arg in "$@"; do
+    case $arg in output_dir=*) dir=${arg#output_dir=} ;; esac
+  done
+  printf '%s\n' "$dir"
+}

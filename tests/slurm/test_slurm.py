@@ -1,0 +1,158 @@
+"""The sbatch scripts in slurm/, submitted as users submit them, to a real one-node Slurm on localhost.
+
+The node has 2 CPUs and 8 GPUs that exist only for the scheduler (see slurm_cluster.py), so the scripts
+run as written except for their node shape: ``--nodes=1 --ntasks-per-node=2 --cpus-per-task=1`` on the
+sbatch command line (it wins over ``#SBATCH`` lines) gives 2 ranks of ``hvrep train`` on the demo data.
+Without Slurm, and no root to install it, every test here is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hvrep.data import write_demo
+from tests.slurm.slurm_cluster import TERMINAL_STATES, LocalSlurm, SlurmError, SlurmUnavailable, ensure_slurm
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = ("single_node.sbatch", "multi_node.sbatch", "scaling_sweep.sbatch", "preemptible.sbatch")
+# The test node's shape, given to sbatch as a user would; everything else comes from the scripts.
+FIT = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+JOB_TIMEOUT = 240  # seconds; a 2-rank demo job takes about 45 s on the 2-core CI machine
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory) -> Iterator[LocalSlurm]:
+    try:
+        ensure_slurm()
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm to test the sbatch scripts with: {e}")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo-data")
+    write_demo(root)
+    return root / "tfrecord"
+
+
+def _submit(slurm: LocalSlurm, script: str, output: Path, overrides: list[str], **env: str) -> int:
+    """``sbatch FIT --output=OUTPUT slurm/SCRIPT OVERRIDES`` from the repository, as a user submits it."""
+    job_env = {**slurm.env, "CONFIG": "demo", "HVREP_VENV": sys.prefix, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+    return slurm.sbatch([*FIT, f"--output={output}", f"slurm/{script}", *overrides], env=job_env, cwd=REPO)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    # A line being written may be incomplete; it is read again on the next poll.
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for(slurm: LocalSlurm, job: int, what: str, ready: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    ended = 0  # polls in a row that found the job ended: a requeue passes through states briefly
+    while time.monotonic() < deadline and ended < 5:
+        if ready():
+            return
+        ended = ended + 1 if slurm.job(job)["JobState"] in TERMINAL_STATES else 0
+        time.sleep(1)
+    pytest.fail(f"job {job}: no {what} within {timeout:.0f} s.\n{slurm.describe(job)}")
+
+
+def _wait_completed(slurm: LocalSlurm, job: int) -> dict[str, str]:
+    info = slurm.wait(job, JOB_TIMEOUT)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), slurm.describe(job)
+    return info
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_is_valid_bash_and_slurm_accepts_its_options(slurm, script):
+    res = subprocess.run(["bash", "-n", f"slurm/{script}"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    # --test-only: sbatch checks every #SBATCH option against the cluster and submits nothing.
+    res = slurm.run(["sbatch", "--test-only", *FIT, f"slurm/{script}"], check=False, cwd=REPO)
+    assert res.returncode == 0 and "to start at" in res.stderr, res.stdout + res.stderr
+
+
+def test_single_node_runs_two_ranks_under_srun_and_exits_0(slurm, demo_data, tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "job.out"
+    job = _submit(slurm, "single_node.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
+                                                      "train.max_steps=3", "train.log_every=1"])
+    info = _wait_completed(slurm, job)
+    assert info["TresPerNode"] == "gres:gpu:8", info  # the script's GPU request, scheduled as written
+    events = _events(out)
+    config, final = events[0], events[-1]
+    assert config["event"] == "config" and config["replicas"] == 2 and config["backend"] == "horovod", config
+    assert config["config"]["data"]["data_dir"] == str(demo_data)
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3]
+    assert final["event"] == "final" and final["stopped"] == "max_steps" and final["step"] == 3, final
+    assert log.read_text().count("hvrep train: max_steps at step 3") == 1  # the chief alone prints
+
+
+def test_scaling_sweep_on_one_node_writes_each_run_and_the_report(slurm, demo_data, tmp_path):
+    sweep = tmp_path / "sweep"
+    log = tmp_path / "job.out"
+    job = _submit(slurm, "scaling_sweep.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={sweep}"],
+                  BATCH_PER_REPLICA="32", STEPS="3")
+    _wait_completed(slurm, job)
+    assert sorted(p.name for p in sweep.iterdir()) == ["nodes-1", "replicas-1", "report"]
+    assert "| 2 |" in (sweep / "report" / "report.md").read_text()  # hvrep report's table, 2 replicas
+    for name, replicas in (("replicas-1", 1), ("nodes-1", 2)):
+        events = _events(sweep / name)
+        assert events[0]["replicas"] == replicas and events[0]["config"]["train"]["global_batch"] == 32 * replicas
+        assert events[-1]["stopped"] == "max_steps" and events[-1]["step"] == 3, events[-1]
+    text = log.read_text()
+    assert f"run {sweep}/nodes-1: 2 replica(s) on horovod" in text, slurm.describe(job)
+    assert "scaling efficiency" in text, slurm.describe(job)
+
+
+def test_preemptible_job_requeues_on_usr1_and_resumes_from_its_checkpoint(slurm, demo_data, tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "job.out"
+    job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
+                                                      "train.epochs=50", "train.log_every=1"])
+    try:
+        _wait_for(slurm, job, "train event", lambda: any(e["event"] == "train" for e in _events(out)), JOB_TIMEOUT)
+        # What `#SBATCH --signal=USR1@120` does before the time limit: USR1 to every step, not the batch shell.
+        slurm.run(["scancel", "--signal=USR1", str(job)])
+
+        def resumed_and_stepping() -> bool:
+            events = _events(out)
+            configs = [i for i, e in enumerate(events) if e["event"] == "config"]
+            return len(configs) > 1 and any(e["event"] == "train" for e in events[configs[1]:])
+
+        _wait_for(slurm, job, "train event after a requeue", resumed_and_stepping, JOB_TIMEOUT)
+        info = slurm.job(job)
+    finally:
+        slurm.run(["scancel", str(job)], check=False)
+    assert int(info["Restarts"]) == 1, info
+    events = _events(out)
+    second = [i for i, e in enumerate(events) if e["event"] == "config"][1]
+    stopped = events[second - 1]
+    assert stopped["event"] == "final" and stopped["stopped"] == "signal" and stopped["epoch"] < 50, stopped
+    checkpoint = Path(stopped["checkpoint"])
+    assert checkpoint.name == f"ckpt-{stopped['step']:08d}" and checkpoint.parent == out / "checkpoints"
+    assert events[second]["resumed_from"] == str(checkpoint), events[second]
+    next_step = next(e["step"] for e in events[second:] if e["event"] == "train")
+    assert next_step == stopped["step"] + 1
+    text = log.read_text()  # --open-mode=append: both starts in one file
+    assert f"requeueing job {job}" in text and f"job {job} start 2" in text, slurm.describe(job)
+    try:
+        slurm.wait(job, 120)  # cancelled: its CPUs are free again for whatever runs next
+    except SlurmError as e:
+        pytest.fail(str(e))
