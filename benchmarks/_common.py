@@ -7,11 +7,13 @@ ratios are taken per round, which cancels slow drift on a shared machine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,3 +63,29 @@ def environment() -> dict[str, Any]:
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
         "doctor": doctor.collect(with_tensorflow=False),
     }
+
+
+def timing_parser(doc: str | None, out: str, repeats_of: str, seed_of: str, quick_warmup: int,
+                  quick_repeats: int) -> argparse.ArgumentParser:
+    """The flags every timing benchmark takes: --repeats, --warmup, --out, --quick, --seed."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=20, help=f"timed calls per {repeats_of} (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first, incl. tracing/compilation (default 3)")
+    p.add_argument("--out", type=Path, default=Path(out),
+                   help=f"JSON lines file to append to; its folder is created (default {out})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke test: {quick_warmup} warm-up call(s) and {quick_repeats} repeats (overrides both)")
+    p.add_argument("--seed", type=int, default=0, help=f"seed of the random {seed_of} (default 0)")
+    p.set_defaults(_quick=(quick_warmup, quick_repeats))
+    return p
+
+
+def parse_timing_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats = args._quick
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}.")
+    if args.warmup < 1:
+        p.error(f"--warmup must be >= 1 (the first call traces and compiles), got {args.warmup}.")
+    return args

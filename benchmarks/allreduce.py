@@ -78,7 +78,7 @@ from hvrep.models import resnet50_variable_shapes
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment as common_environment
-from _common import fmt_ratio, percentiles, ratio
+from _common import fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
 
 MiB = 1024 * 1024
 THRESHOLDS = (0, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 128 * MiB)
@@ -285,22 +285,8 @@ def _environment(hvd: Any, comm: Any) -> dict[str, Any]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per case (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls first, incl. tracing (default 3)")
-    p.add_argument("--out", type=Path, default=Path("results/allreduce.jsonl"),
-                   help="JSON lines file rank 0 appends to; its folder is created (default results/allreduce.jsonl)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke test: {QUICK_WARMUP} warm-up call and {QUICK_REPEATS} repeats (overrides both)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random gradients (default 0)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.warmup, args.repeats = QUICK_WARMUP, QUICK_REPEATS
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}.")
-    if args.warmup < 1:
-        p.error(f"--warmup must be >= 1 (the first call traces and is checked), got {args.warmup}.")
-    return args
+    p = timing_parser(__doc__, "results/allreduce.jsonl", "case", "gradients", QUICK_WARMUP, QUICK_REPEATS)
+    return parse_timing_args(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

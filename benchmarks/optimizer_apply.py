@@ -51,7 +51,7 @@ from hvrep.optimizers import LARS, MomentumSGD
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment as common_environment
-from _common import fmt_ratio, percentiles, ratio
+from _common import fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
 
 MODES = ("eager", "tf.function", "xla")
 OPTIMIZERS = ("LARS", "MomentumSGD", "keras.SGD")
@@ -159,22 +159,9 @@ def _environment() -> dict[str, Any]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per (optimizer, mode) (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls first, incl. compilation (default 3)")
-    p.add_argument("--out", type=Path, default=Path("results/optimizer_apply.jsonl"),
-                   help="JSON lines file to append to; its folder is created (default results/optimizer_apply.jsonl)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke test: {QUICK_WARMUP} warm-up calls and {QUICK_REPEATS} repeats (overrides both)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and gradients (default 0)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.warmup, args.repeats = QUICK_WARMUP, QUICK_REPEATS
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}.")
-    if args.warmup < 1:
-        p.error(f"--warmup must be >= 1 (the first call traces and compiles), got {args.warmup}.")
-    return args
+    p = timing_parser(__doc__, "results/optimizer_apply.jsonl", "(optimizer, mode)", "weights and gradients",
+                      QUICK_WARMUP, QUICK_REPEATS)
+    return parse_timing_args(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
