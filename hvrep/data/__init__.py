@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import tensorflow as tf
 
 from hvrep.backends.base import InputContext
@@ -38,12 +36,11 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
 
 def num_examples(config: DataConfig, split: str) -> int:
     """Images in a split: files in the folder, or records in the shards (from their DALI indexes)."""
-    from hvrep.data.files import check_index, list_folder, list_shards
+    from hvrep.data.files import list_folder, list_shards
 
     if config.format == "folder":
         return len(list_folder(config.data_dir, split).files)
-    shards, indexes = list_shards(config.data_dir, split)
-    return sum(check_index(Path(s), Path(i)) for s, i in zip(shards, indexes, strict=True))
+    return sum(list_shards(config.data_dir, split).counts)
 
 
 def data_errors(config: DataConfig, split: str):

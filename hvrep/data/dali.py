@@ -195,9 +195,9 @@ def _scan(fmt: str, data_dir: str, split: str, threads: int, limit: int | None =
                     break
         else:
             stop = threading.Event()
-            shards, indexes = list_shards(data_dir, split)
+            listing = list_shards(data_dir, split)
             futures = [pool.submit(_check_shard, k, s, i, stop)
-                       for k, (s, i) in enumerate(zip(shards, indexes, strict=True))]
+                       for k, (s, i) in enumerate(zip(listing.shards, listing.indexes, strict=True))]
             for future in futures:
                 bad += future.result()
                 if limit is not None and len(bad) >= limit:
@@ -254,7 +254,8 @@ def _folder_source(config: DataConfig, split: str, training: bool, pad: Callable
 
 
 def _tfrecord_source(config: DataConfig, split: str, pad: Callable[[int], int], bad: set[Any], tfrec: Any) -> _Source:
-    shards, indexes = list_shards(config.data_dir, split)
+    listing = list_shards(config.data_dir, split)
+    shards, indexes = list(listing.shards), list(listing.indexes)
     n = 0
     for k, index in enumerate(indexes):
         entries = _index_entries(index)

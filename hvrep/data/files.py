@@ -65,8 +65,17 @@ def shard_name(split: str, index: int, count: int) -> str:
     return f"{SHARD_PREFIX[split]}-{index:05d}-of-{count:05d}"
 
 
-def list_shards(root: str | Path, split: str) -> tuple[list[str], list[str]]:
-    """The TFRecord shards of a split and their DALI index files, in order.
+@dataclass(frozen=True)
+class ShardListing:
+    """A split's TFRecord shards, their DALI index files and record counts, in shard order."""
+
+    shards: tuple[str, ...]
+    indexes: tuple[str, ...]
+    counts: tuple[int, ...]
+
+
+def list_shards(root: str | Path, split: str) -> ShardListing:
+    """The TFRecord shards of a split, their DALI index files and record counts (read once, from the indexes).
 
     Raises:
       hvrep.errors.DataError: no shards, a missing shard in the numbering, or
@@ -95,9 +104,8 @@ def list_shards(root: str | Path, split: str) -> tuple[list[str], list[str]]:
             f"DALI index files are missing: {', '.join(missing[:5])}. Fix: run `hvrep data prepare SRC {root}` "
             "again; it rewrites the index of every shard."
         )
-    for shard, idx in zip(expected, index, strict=True):
-        check_index(shard, idx)
-    return [str(p) for p in expected], [str(p) for p in index]
+    counts = tuple(check_index(shard, idx) for shard, idx in zip(expected, index, strict=True))
+    return ShardListing(tuple(map(str, expected)), tuple(map(str, index)), counts)
 
 
 def check_index(shard: Path, index: Path) -> int:

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from hvrep.backends.base import InputContext
 from hvrep.data.config import PAD_LABEL, DataConfig
-from hvrep.data.files import list_folder, list_shards
+from hvrep.data.files import ShardListing, list_folder, list_shards
 from hvrep.errors import ConfigError
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -101,31 +101,17 @@ def _finish(images: tf.Tensor, config: DataConfig) -> tf.Tensor:
     return _layout(_normalise(images, config), config)
 
 
-def _source(config: DataConfig, split: str) -> tuple[tf.data.Dataset, int]:
+def _source(config: DataConfig, split: str, shards: ShardListing | None) -> tuple[tf.data.Dataset, int]:
     """(data bytes, label, file name) elements in a fixed order, and their count."""
-    if config.format == "folder":
+    if shards is None:
         listing = list_folder(config.data_dir, split)
         files = tf.constant(listing.files)
         ds = tf.data.Dataset.from_tensor_slices((files, tf.constant(listing.labels, tf.int32)))
         ds = ds.map(lambda f, y: (tf.io.read_file(f), y, f), num_parallel_calls=AUTOTUNE, deterministic=True)
         return ds, len(listing.files)
-    shards, indexes = list_shards(config.data_dir, split)
-    count = sum(sum(1 for _ in open(i)) for i in indexes)
-    ds = tf.data.TFRecordDataset(shards, num_parallel_reads=min(len(shards), 8))
+    ds = tf.data.TFRecordDataset(list(shards.shards), num_parallel_reads=min(len(shards.shards), 8))
     ds = ds.map(lambda r: _parse_record(r, config.label_offset), num_parallel_calls=AUTOTUNE, deterministic=True)
-    return ds, count
-
-
-def _file_shardable(config: DataConfig, split: str, n_rep: int) -> bool:
-    shards, _ = list_shards(config.data_dir, split)
-    return len(shards) >= n_rep and len(shards) % n_rep == 0
-
-
-def _file_share(config: DataConfig, split: str, r: int, n_rep: int) -> tuple[list[str], list[int]]:
-    """Replica r's shard files, and every replica's record count."""
-    shards, indexes = list_shards(config.data_dir, split)
-    counts = [sum(sum(1 for _ in open(indexes[i])) for i in range(k, len(shards), n_rep)) for k in range(n_rep)]
-    return shards[r::n_rep], counts
+    return ds, sum(shards.counts)
 
 
 def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
@@ -151,7 +137,11 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
     training = split == "train" if training is None else training
     r, n_rep = ctx.replica_id, ctx.num_replicas
-    source, n = _source(config, split)
+    shards = list_shards(config.data_dir, split) if config.format == "tfrecord" else None
+    # Replica r reads only shard files r, r+R, ... when they divide evenly.
+    file_sharded = (training and shards is not None and len(shards.shards) >= n_rep
+                    and len(shards.shards) % n_rep == 0)
+    source, n = (None, sum(shards.counts)) if file_sharded else _source(config, split, shards)
     skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_skipped")
     raise_on_bad = config.on_error == "raise"
 
@@ -170,13 +160,13 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
             return tf.identity(ok)
 
     size = config.image_size
-    file_sharded = training and config.format == "tfrecord" and _file_shardable(config, split, n_rep)
     if training:
         if file_sharded:
             # At ImageNet scale every replica must not read every shard: each reads
             # its own 1/R of the shard files (records counted from their DALI
             # indexes), shuffled with a buffer; steps follow the smallest share.
-            files, counts = _file_share(config, split, r, n_rep)
+            files = list(shards.shards[r::n_rep])
+            counts = [sum(shards.counts[k::n_rep]) for k in range(n_rep)]
             steps = min(c // b for c in counts)
             ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=config.seed)
             ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), 8), num_parallel_calls=AUTOTUNE,

@@ -206,7 +206,8 @@ def test_bad_jpeg_is_skipped_and_counted(corrupt_folder, caplog):
 
 def test_bad_record_in_a_shard_is_named_or_skipped(demo, tmp_path):
     shutil.copytree(demo / "tfrecord", tmp_path / "tfrecord")
-    shards, indexes = list_shards(tmp_path / "tfrecord", "val")
+    listing = list_shards(tmp_path / "tfrecord", "val")
+    shards, indexes = listing.shards, listing.indexes
     offset, size = map(int, Path(indexes[0]).read_text().splitlines()[5].split())
     data = bytearray(Path(shards[0]).read_bytes())
     start = data.index(b"\xff\xd8\xff", offset, offset + size)

@@ -27,9 +27,9 @@ def folder(tmp_path):
 
 
 def _records(dst: Path, split: str) -> list[tuple[int, bytes]]:
-    shards, _ = list_shards(dst, split)
+    shards = list_shards(dst, split).shards
     out = []
-    for rec in tf.data.TFRecordDataset(shards):
+    for rec in tf.data.TFRecordDataset(list(shards)):
         ex = tf.train.Example.FromString(rec.numpy())
         f = ex.features.feature
         out.append((f["image/class/label"].int64_list.value[0], f["image/filename"].bytes_list.value[0]))
@@ -52,8 +52,8 @@ def test_shards_hold_every_image_once_with_tf_style_labels(folder, tmp_path):
 def test_index_matches_the_record_offsets(folder, tmp_path):
     src, _ = folder
     prepare(src, tmp_path / "out", train_shards=2, val_shards=1, progress=False)
-    shards, indexes = list_shards(tmp_path / "out", "train")
-    for shard, index in zip(shards, indexes, strict=True):
+    listing = list_shards(tmp_path / "out", "train")
+    for shard, index in zip(listing.shards, listing.indexes, strict=True):
         data = Path(shard).read_bytes()
         for line in Path(index).read_text().splitlines():
             offset, size = map(int, line.split())
@@ -118,7 +118,7 @@ def test_cli_demo_writes_the_digits_as_imagenet_folder_and_tfrecords(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "train shards" in res.stderr and "3 shards written" in res.stdout  # 2 train + 1 val
-    assert len(list_shards(tmp_path / "tf", "train")[0]) == 2
+    assert len(list_shards(tmp_path / "tf", "train").shards) == 2
 
 
 def test_cli_reports_a_bad_source_as_an_error_not_a_traceback(tmp_path):
@@ -133,8 +133,8 @@ def test_prepare_copies_jpeg_bytes_unchanged(folder, tmp_path):
     src, _ = folder
     prepare(src, tmp_path / "out", train_shards=1, val_shards=1, progress=False)
     originals = {p.name: p.read_bytes() for p in (src / "val").rglob("*.JPEG")}
-    shards, _ = list_shards(tmp_path / "out", "val")
-    for rec in tf.data.TFRecordDataset(shards):
+    shards = list_shards(tmp_path / "out", "val").shards
+    for rec in tf.data.TFRecordDataset(list(shards)):
         f = tf.train.Example.FromString(rec.numpy()).features.feature
         name = f["image/filename"].bytes_list.value[0].decode()
         assert f["image/encoded"].bytes_list.value[0] == originals[name]
