@@ -17,21 +17,22 @@ class CrossReplicaBatchNorm(keras.layers.BatchNormalization):
     With N replicas of batch B it normalises exactly as BatchNormalization does
     on the concatenated N×B batch (TF-Replicator used it for SN-GAN). The sum,
     sum of squares and count cross replicas in one fused all-reduce; it must
-    run inside ``Replicator.run`` when training. Masks are not supported.
-    Outside a replica step (e.g. a plain ``model(x)`` call for inspection) it
+    run inside ``Replicator.run`` when training. A mask (one value per
+    position, shape = inputs' shape without the channel axis) weights each
+    position, as in BatchNormalization; masked positions of every replica
+    are left out. Outside a replica step (e.g. a plain ``model(x)`` call for inspection) it
     behaves as ordinary BatchNormalization.
     """
 
     def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
-        if mask is not None:
-            raise NotImplementedError("CrossReplicaBatchNorm does not support masks.")
         if active_backend() is None:
             return super()._moments(inputs, mask)
         x = tf.cast(inputs, tf.float32)
         axes = list(self._reduction_axes)
-        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), tf.float32)
+        # Per-position weights: 1 everywhere, or the mask broadcast over the channels.
+        w = tf.ones_like(x) if mask is None else tf.broadcast_to(tf.cast(mask, tf.float32)[..., None], tf.shape(x))
         total, total_sq, n = collectives.all_reduce(
-            [tf.reduce_sum(x, axes), tf.reduce_sum(tf.square(x), axes), count], "sum"
+            [tf.reduce_sum(x * w, axes), tf.reduce_sum(tf.square(x) * w, axes), tf.reduce_sum(w, axes)], "sum"
         )
         mean = total / n
         variance = tf.maximum(total_sq / n - tf.square(mean), 0.0)

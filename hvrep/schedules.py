@@ -15,6 +15,7 @@ up from 0: set ``warmup_start_lr`` accordingly.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +39,7 @@ def linear_scaling(base_lr: float, global_batch: int, base_batch: int = 256) -> 
     return base_lr * global_batch / base_batch
 
 
-class _Warmup(keras.optimizers.schedules.LearningRateSchedule):
+class _Warmup(keras.optimizers.schedules.LearningRateSchedule, abc.ABC):
     """Linear warmup, then ``_decay``; subclasses define the decay."""
 
     def __init__(self, peak_lr: float, total_steps: int, warmup_steps: int = 0,
@@ -61,9 +62,9 @@ class _Warmup(keras.optimizers.schedules.LearningRateSchedule):
         self.warmup_steps = warmup_steps
         self.warmup_start_lr = float(warmup_start_lr)
 
+    @abc.abstractmethod
     def _decay(self, s: tf.Tensor) -> tf.Tensor:
         """LR at step s in [W, T] (float64)."""
-        raise NotImplementedError
 
     def __call__(self, step: Any) -> tf.Tensor:
         s = tf.minimum(tf.cast(step, tf.float64), float(self.total_steps))

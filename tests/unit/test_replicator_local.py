@@ -143,3 +143,24 @@ def test_gradient_accumulation_is_refused_in_graph_with_the_fix():
             r.wrap_optimizer(fidelity.make_optimizer("sgd"))
     finally:
         r.close()
+
+
+def test_cross_replica_batchnorm_with_a_mask_equals_masked_batchnorm_on_the_concatenated_batch(repl):
+    import keras
+
+    rng = np.random.default_rng(4)
+    x_all = rng.normal(1.0, 2.0, size=(8, 3, 5)).astype(np.float32)  # (batch, time, channels)
+    mask_all = rng.random((8, 3)) > 0.3
+    with repl.scope():
+        crbn = hvrep.layers.CrossReplicaBatchNorm(momentum=0.5)
+        crbn.build((None, 3, 5))
+    bn = keras.layers.BatchNormalization(momentum=0.5)
+    bn.build((None, 3, 5))
+    want = bn(x_all, training=True, mask=mask_all).numpy()
+    halves = repl._backend.strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.constant(x_all[ctx.replica_id_in_sync_group * 4:(ctx.replica_id_in_sync_group + 1) * 4]),
+                     tf.constant(mask_all[ctx.replica_id_in_sync_group * 4:(ctx.replica_id_in_sync_group + 1) * 4])))
+    out = repl.run(lambda xm: hvrep.all_gather(crbn(xm[0], training=True, mask=xm[1]), axis=0), args=(halves,))
+    np.testing.assert_allclose(repl.reduce(out, "min"), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(crbn.moving_mean.numpy(), bn.moving_mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(crbn.moving_variance.numpy(), bn.moving_variance.numpy(), rtol=1e-5, atol=1e-6)
