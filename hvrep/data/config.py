@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hvrep.backends.base import InputContext
 from hvrep.errors import ConfigError
 
 FORMATS = ("folder", "tfrecord")
@@ -86,3 +87,17 @@ class DataConfig:
             raise ConfigError(f"crop_ratio must satisfy 0 < low <= high, got {self.crop_ratio!r}.")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ConfigError(f"mean and std need 3 values each, std > 0; got {self.mean!r}, {self.std!r}.")
+
+
+def replica_batch(ctx: InputContext | None, batch_size: int | None) -> tuple[InputContext, int]:
+    """This replica's place (one replica when ``ctx`` is None) and its batch size, checked.
+
+    The batch is ``ctx.per_replica_batch_size``, else ``batch_size``.
+    """
+    ctx = ctx or InputContext(0, 1, None)
+    b = ctx.per_replica_batch_size or batch_size
+    if not b or b < 1:
+        raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
+    if not 0 <= ctx.replica_id < ctx.num_replicas:
+        raise ConfigError(f"replica_id must be in [0, {ctx.num_replicas}), got {ctx.replica_id}.")
+    return ctx, b

@@ -72,7 +72,7 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.backends.base import InputContext
-from hvrep.data.config import PAD_LABEL, DataConfig
+from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import list_folder, list_shards
 from hvrep.data.prepare import check_jpeg
 from hvrep.errors import ConfigError, DataError, SetupError
@@ -303,12 +303,7 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
       hvrep.errors.SetupError: DALI or its TensorFlow plugin is missing.
     """
     fn, types, tfrec, dali_tf = _dali()
-    ctx = ctx or InputContext(0, 1, None)
-    b = ctx.per_replica_batch_size or batch_size
-    if not b or b < 1:
-        raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
-    if not 0 <= ctx.replica_id < ctx.num_replicas:
-        raise ConfigError(f"replica_id must be in [0, {ctx.num_replicas}), got {ctx.replica_id}.")
+    ctx, b = replica_batch(ctx, batch_size)
     training = split == "train" if training is None else training
     n_rep, global_b = ctx.num_replicas, ctx.num_replicas * b
     device, device_id = _device(config, ctx)

@@ -33,7 +33,7 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.backends.base import InputContext
-from hvrep.data.config import PAD_LABEL, DataConfig
+from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import ShardListing, list_folder, list_shards
 from hvrep.errors import ConfigError
 
@@ -131,10 +131,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
       ``config.dtype`` and ``labels`` (batch,) int32; padding rows (evaluation)
       have label -1. ``dataset.hvrep_skipped`` counts dropped bad files.
     """
-    ctx = ctx or InputContext(0, 1, None)
-    b = ctx.per_replica_batch_size or batch_size
-    if not b or b < 1:
-        raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
+    ctx, b = replica_batch(ctx, batch_size)
     training = split == "train" if training is None else training
     r, n_rep = ctx.replica_id, ctx.num_replicas
     shards = list_shards(config.data_dir, split) if config.format == "tfrecord" else None
@@ -219,10 +216,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
 def synthetic_dataset(config: DataConfig, ctx: InputContext | None = None, batch_size: int | None = None,
                       num_classes: int = 1000) -> tf.data.Dataset:
     """An endless dataset of one random batch (no files, no decode): for throughput benchmarks."""
-    ctx = ctx or InputContext(0, 1, None)
-    b = ctx.per_replica_batch_size or batch_size
-    if not b or b < 1:
-        raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
+    ctx, b = replica_batch(ctx, batch_size)
     gen = tf.random.Generator.from_seed(config.seed + ctx.replica_id)
     images = gen.normal([b, config.image_size, config.image_size, 3])
     labels = gen.uniform([b], 0, num_classes, dtype=tf.int32)
