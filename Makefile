@@ -7,6 +7,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hvrep-setup-done
+# The fused kernels' build record; rebuilt (from the cache when it can) when a kernel source changes.
+KERNELS := hvrep/_lib/build.json
+KERNEL_SOURCES := $(shell find kernels -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \
+	-o -name '*.py' -o -name '*.txt' \) 2>/dev/null)
 NP ?= 2
 # Open MPI refuses to run as root unless told; CI and containers are root.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -21,10 +25,10 @@ SETUP_INPUTS := requirements.txt setup.py $(wildcard hvrep/compat/*.py hvrep/com
 help:
 	@echo "make demo   - set up, then train the demo preset on $(NP) ranks (horovodrun --gloo) and report"
 	@echo "make test   - set up, then lint and run the whole test suite"
-	@echo "make setup  - create .venv with the pinned stack, Horovod and the DALI plugin"
+	@echo "make setup  - create .venv with the pinned stack, Horovod, the DALI plugin and hvrep's kernels"
 	@echo "make check-gpu-build - build Horovod with CUDA/NCCL in a throwaway env (slow, GBs)"
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 $(STAMP): $(SETUP_INPUTS)
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null || \
@@ -42,6 +46,11 @@ $(STAMP): $(SETUP_INPUTS)
 	$(BIN)/hvrep doctor --require tensorflow,horovod,mpi,gloo,dali > $(VENV)/doctor.txt 2>&1 || \
 		{ cat $(VENV)/doctor.txt; exit 1; }
 	touch $(STAMP)
+
+# C++ ops with TensorFlow's flags, CUDA kernels and the harness where nvcc is;
+# a failure leaves hvrep on its pure-TF path (`hvrep doctor` says which).
+$(KERNELS): $(STAMP) $(KERNEL_SOURCES)
+	$(BIN)/python kernels/build.py
 
 # The main job: the demo preset on $(NP) ranks, a short 1-rank run of the same
 # configuration for the scaling baseline, then a report of both.
@@ -63,7 +72,7 @@ check-gpu-build: setup
 	$(BIN)/python -m hvrep.compat.check_gpu_build
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache hvrep/_lib
 
 clean-cache:
 	rm -rf "$${HVREP_CACHE_DIR:-$$HOME/.cache/hvrep}"

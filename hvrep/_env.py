@@ -13,6 +13,8 @@ from pathlib import Path
 
 # hvrep's own settings.
 HVREP_CACHE_DIR = "HVREP_CACHE_DIR"  # where built wheels are cached (default ~/.cache/hvrep)
+HVREP_KERNELS = "HVREP_KERNELS"  # "off": never load the fused kernels (hvrep.kernels); default "auto"
+HVREP_KERNELS_DIR = "HVREP_KERNELS_DIR"  # where kernels/build.py put them (default: hvrep/_lib)
 
 # Open MPI (mpirun; horovodrun with MPI).
 OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"
@@ -103,6 +105,16 @@ def environ_snapshot() -> dict[str, str]:
 def cache_dir() -> Path:
     """Where hvrep caches slow builds (Horovod and DALI-plugin wheels)."""
     return Path(os.environ.get(HVREP_CACHE_DIR) or Path.home() / ".cache" / "hvrep")
+
+
+def kernels_setting() -> str:
+    """HVREP_KERNELS, lower-cased: "auto" (the default) or "off"."""
+    return os.environ.get(HVREP_KERNELS, "auto").strip().lower()
+
+
+def kernels_dir(default: Path) -> Path:
+    """HVREP_KERNELS_DIR, or ``default`` (the package's _lib folder) when unset."""
+    return Path(os.environ.get(HVREP_KERNELS_DIR) or default)
 
 
 def cuda_visible_devices() -> str | None:

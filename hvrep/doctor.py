@@ -121,6 +121,19 @@ def _launcher() -> dict[str, Any]:
     return {"placement": placement, "variables": _env.launcher_vars()}
 
 
+def _kernels() -> dict[str, Any]:
+    from hvrep import kernels
+
+    st = kernels.status()
+    cuda = st.build.get("cuda", {})
+    return {
+        "path": st.describe(),
+        "build": st.build.get("key", "none"),
+        "cuda_kernels": "built" if cuda.get("built") else str(cuda.get("reason", "not built")).splitlines()[0],
+        "harness": str(kernels.LIB_DIR / cuda["harness"]) if cuda.get("harness") else "not built",
+    }
+
+
 def collect(with_tensorflow: bool = True) -> dict[str, Any]:
     """Gathers the environment report.
 
@@ -142,6 +155,7 @@ def collect(with_tensorflow: bool = True) -> dict[str, Any]:
     if with_tensorflow:
         info["tensorflow"] = _probe(_tensorflow)
         info["horovod"] = _probe(_horovod)
+        info["kernels"] = _probe(_kernels)
     else:
         info["tensorflow"] = {"version": _dist_version("tensorflow-cpu", "tensorflow")}
         info["horovod"] = {"version": _dist_version("horovod")}
@@ -202,7 +216,7 @@ def format_text(info: dict[str, Any]) -> str:
         else:
             lines.append(f"{title + ':':<24} {_fmt(body)}")
 
-    for key in ("hvrep", "python", "platform", "executable", "tensorflow", "horovod", "mpi",
+    for key in ("hvrep", "python", "platform", "executable", "tensorflow", "horovod", "kernels", "mpi",
                 "nccl_wheel", "dali", "cuda_visible_devices", "launcher"):
         section(key, info.get(key))
     return "\n".join(lines)

@@ -42,3 +42,7 @@ class DataError(HvrepError):
 
 class CheckpointError(HvrepError):
     """A checkpoint could not be written or read; the message names the directory or folder."""
+
+
+class KernelError(HvrepError):
+    """A fused kernel was required (``use_kernel=True``) but cannot run; the message says why."""

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from hvrep import kernels
+
 
 def plan_buckets(
     nbytes: Sequence[int], dtypes: Sequence[object], threshold: int, num_groups: int = 0
@@ -95,13 +97,21 @@ def fused_reduce(
     order = list(reversed(range(len(tensors))))
     plan = plan_buckets([nbytes[i] for i in order], [wire[i] for i in order], threshold, num_groups)
     for bucket in ([order[j] for j in b] for b in plan):
-        parts = []
-        for i in bucket:
-            t = tensors[i]
-            if prescale is not None:
-                t = t * tf.cast(prescale, t.dtype)
-            parts.append(tf.reshape(tf.cast(t, wire[i]), [-1]))
-        buffer = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+        parts = [tensors[i] for i in bucket]
+        if len(parts) > 1 and all(t.shape.is_fully_defined() for t in parts):
+            # One op packs (scale, cast, copy) the bucket and one unpacks it
+            # (hvrep.kernels: fused C++/CUDA where built, the same TF ops as
+            # below elsewhere), instead of 2-3 small ops per tensor.
+            buffer = kernels.pack(parts, wire[bucket[0]], 1.0 if prescale is None else prescale)
+            pieces = kernels.unpack(reduce_buffer(buffer), [t.shape for t in parts], [t.dtype for t in parts])
+            for i, piece in zip(bucket, pieces, strict=True):
+                out[i] = piece
+            continue
+        flat = []
+        for i, t in zip(bucket, parts, strict=True):
+            scaled = t if prescale is None else t * tf.cast(prescale, t.dtype)
+            flat.append(tf.reshape(tf.cast(scaled, wire[i]), [-1]))
+        buffer = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
         reduced = reduce_buffer(buffer)
         sizes = [int(tensors[i].shape.num_elements()) for i in bucket]
         pieces = [reduced] if len(bucket) == 1 else tf.split(reduced, sizes)

@@ -13,6 +13,11 @@ For each variable ``w`` with gradient ``g``, learning rate ``lr``, momentum
 This is Algorithm 1 of the paper with the momentum form of the MLPerf
 ResNet-50 reference. Weight decay is coupled (in the gradient and in the
 trust ratio), never Keras' decoupled ``weight_decay``.
+
+By default one step updates every variable with one fused op
+(``hvrep.kernels.fused_lars_apply``, C++/CUDA) where it is built and can
+run, and per variable in plain TF elsewhere; both compute the same update.
+``use_fused_kernel=False`` always takes the per-variable path.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras import ops
 
-from hvrep.errors import ConfigError
+from hvrep import kernels
+from hvrep.errors import ConfigError, KernelError
 
 # The MLPerf reference excludes batch-norm parameters and biases from weight
 # decay and layer adaptation. Patterns are searched in `variable.path`.
@@ -54,6 +61,10 @@ class LARS(keras.optimizers.Optimizer):
         (batch norm and biases); ``[]``: exclude nothing.
       exclude_from_layer_adaptation: the same, for the trust ratio (ratio 1).
         None: the weight-decay patterns.
+      use_fused_kernel: None: update all variables with one fused op
+        (``hvrep.kernels``) where it can run (built, float32/float64
+        variables, no tf.distribute strategy, not under XLA), per variable
+        elsewhere; True: the fused op or ``KernelError``; False: per variable.
       **kwargs: passed to ``keras.optimizers.Optimizer`` (``clipnorm``,
         ``global_clipnorm``, ``name`` ...). ``weight_decay`` there would be
         Keras' decoupled decay and is not accepted twice.
@@ -70,9 +81,12 @@ class LARS(keras.optimizers.Optimizer):
         exclude_from_weight_decay: Sequence[str] | None = None,
         exclude_from_layer_adaptation: Sequence[str] | None = None,
         name: str = "lars",
+        use_fused_kernel: bool | None = None,
         **kwargs: Any,
     ) -> None:
         _positive("learning_rate", learning_rate)
+        if use_fused_kernel not in (None, True, False):
+            raise ConfigError(f"use_fused_kernel must be None, True or False, got {use_fused_kernel!r}.")
         if not 0.0 <= momentum < 1.0:
             raise ConfigError(f"momentum must be in [0, 1), got {momentum!r}.")
         if weight_decay is None or weight_decay < 0:
@@ -90,6 +104,7 @@ class LARS(keras.optimizers.Optimizer):
         self.eta = float(eta)
         self.epsilon = float(epsilon)
         self.nesterov = bool(nesterov)
+        self.use_fused_kernel = use_fused_kernel
         self._user_patterns = {
             "exclude_from_weight_decay": exclude_from_weight_decay,
             "exclude_from_layer_adaptation": exclude_from_layer_adaptation,
@@ -138,32 +153,40 @@ class LARS(keras.optimizers.Optimizer):
         return self._flags[self._get_variable_index(variable)]
 
     def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
+        """The per-variable path (``hvrep.kernels.lars_update``, the fused op's reference)."""
         dtype = variable.dtype
-        lr = ops.cast(learning_rate, dtype)
-        g = ops.cast(gradient, dtype)
-        w = ops.convert_to_tensor(variable)
         index = self._get_variable_index(variable)
         velocity = self._momentums[index]
         decay, adapt = self._flags[index]
         # Python floats (not ops.cast of them, which rounds through float32) so a
         # float64 variable gets float64 hyper-parameters.
-        wd = self.coupled_weight_decay if decay else 0.0
-        g_total = g + wd * w if wd else g
-        if adapt:
-            w_norm = ops.sqrt(ops.sum(ops.square(w)))
-            g_norm = ops.sqrt(ops.sum(ops.square(g)))
-            ok = ops.logical_and(ops.greater(w_norm, 0), ops.greater(g_norm, 0))
-            denom = g_norm + wd * w_norm + self.epsilon
-            ratio = ops.where(ok, self.eta * w_norm / ops.where(ok, denom, 1.0), 1.0)
-            scaled = lr * ratio * g_total
-        else:
-            scaled = lr * g_total
-        new_velocity = self.momentum * velocity + scaled
+        new_velocity, delta = kernels.lars_update(
+            ops.convert_to_tensor(variable), ops.convert_to_tensor(velocity), ops.cast(gradient, dtype),
+            ops.cast(learning_rate, dtype), momentum=self.momentum,
+            weight_decay=self.coupled_weight_decay if decay else 0.0, eta=self.eta, epsilon=self.epsilon,
+            nesterov=self.nesterov, adapt=adapt)
         self.assign(velocity, new_velocity)
-        if self.nesterov:
-            self.assign_sub(variable, self.momentum * new_velocity + scaled)
-        else:
-            self.assign_sub(variable, new_velocity)
+        self.assign_sub(variable, delta)
+
+    def _backend_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
+        # Under a tf.distribute strategy (hvrep's local and tpu backends) Keras
+        # updates each replica's copy of each variable through the strategy, one
+        # variable at a time; the fused op updates plain variables (the horovod
+        # backend, one process per replica) and stays out of that.
+        if self.use_fused_kernel is False or tf.distribute.has_strategy():
+            if self.use_fused_kernel and tf.distribute.has_strategy():
+                raise KernelError(
+                    f"{self.name}: use_fused_kernel=True inside a tf.distribute strategy "
+                    f"({type(tf.distribute.get_strategy()).__name__}), where Keras updates each replica's "
+                    "variables one by one; pass use_fused_kernel=None to let it fall back.")
+            super()._backend_update_step(grads, trainable_variables, learning_rate)
+            return
+        flags = [self._flags[self._get_variable_index(v)] for v in trainable_variables]
+        kernels.fused_lars_apply(
+            trainable_variables, [self._momentums[self._get_variable_index(v)] for v in trainable_variables], grads,
+            learning_rate, momentum=self.momentum, weight_decay=self.coupled_weight_decay, eta=self.eta,
+            epsilon=self.epsilon, nesterov=self.nesterov, decay=[d for d, _ in flags], adapt=[a for _, a in flags],
+            use_kernel=self.use_fused_kernel)
 
     def _apply_weight_decay(self, variables: Any) -> None:
         """No decoupled decay: LARS' decay is coupled inside ``update_step``."""
@@ -176,6 +199,7 @@ class LARS(keras.optimizers.Optimizer):
             eta=self.eta,
             epsilon=self.epsilon,
             nesterov=self.nesterov,
+            use_fused_kernel=self.use_fused_kernel,
             exclude_from_weight_decay=self._user_patterns["exclude_from_weight_decay"],
             exclude_from_layer_adaptation=self._user_patterns["exclude_from_layer_adaptation"],
         )
@@ -189,8 +213,9 @@ class MomentumSGD(LARS):
         v = m * v + lr * (g + wd * w);   w = w - v          (Nesterov: w = w - (m * v + lr * (g + wd * w)))
 
     It is LARS with the trust ratio fixed at 1 for every variable, so both
-    share one update rule and one set of exclusion patterns
-    (``exclude_from_weight_decay``; default: batch norm and biases).
+    share one update rule, one set of exclusion patterns
+    (``exclude_from_weight_decay``; default: batch norm and biases) and the
+    fused op (``use_fused_kernel``, as in LARS).
     """
 
     def __init__(
@@ -201,12 +226,14 @@ class MomentumSGD(LARS):
         nesterov: bool = False,
         exclude_from_weight_decay: Sequence[str] | None = None,
         name: str = "momentum_sgd",
+        use_fused_kernel: bool | None = None,
         **kwargs: Any,
     ) -> None:
         for key in ("eta", "epsilon", "exclude_from_layer_adaptation"):
             kwargs.pop(key, None)  # from a LARS-shaped config
         super().__init__(learning_rate, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
-                         exclude_from_weight_decay=exclude_from_weight_decay, name=name, **kwargs)
+                         exclude_from_weight_decay=exclude_from_weight_decay, name=name,
+                         use_fused_kernel=use_fused_kernel, **kwargs)
         # No variable gets layer adaptation. Set here, not as a user pattern, so it never warns.
         self.exclude_from_layer_adaptation_patterns = ("",)
 

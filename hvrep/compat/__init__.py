@@ -82,3 +82,18 @@ def import_horovod() -> ModuleType:
             f"Horovod {HOROVOD_VERSION} against this TensorFlow."
         ) from e
     return hvd
+
+
+def in_xla_context() -> bool:
+    """True while TF is tracing code that XLA will compile (``jit_compile=True``).
+
+    hvrep's custom ops have no XLA kernels, so their callers take the pure-TF
+    path there. TF has no public way to ask; this is its internal helper,
+    which exists unchanged from TF 2.4 to 2.21.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
