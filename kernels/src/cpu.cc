@@ -26,26 +26,25 @@ struct bf16 { uint16_t bits; };
 inline uint32_t FloatBits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float BitsFloat(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
-// Eigen's float_to_half_rtne (Fabian Giesen's branch-light version).
+// Eigen's float_to_half_rtne (Fabian Giesen's algorithm), written without
+// branches: every case is computed and the right one selected, so the compiler
+// vectorises a loop of conversions. Eigen's own is branchy and scalar; the
+// hardware's (F16C) conversion is vectorised but keeps NaN payloads, where
+// TensorFlow's cast (Eigen) returns the canonical quiet NaN: results must match
+// TensorFlow's bit for bit.
 inline uint16_t FloatToHalf(float ff) {
-  const uint32_t f32infty = 255u << 23, f16max = (127u + 16u) << 23, denorm_magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-  const uint32_t sign_mask = 0x80000000u;
-  uint32_t f = FloatBits(ff);
-  uint16_t o;
-  const uint32_t sign = f & sign_mask;
-  f ^= sign;
-  if (f >= f16max) {  // overflow, Inf or NaN
-    o = (f > f32infty) ? 0x7e00 : 0x7c00;
-  } else if (f < (113u << 23)) {  // subnormal or zero: let the FPU round
-    const float r = BitsFloat(f) + BitsFloat(denorm_magic_bits);
-    o = static_cast<uint16_t>(FloatBits(r) - denorm_magic_bits);
-  } else {
-    const uint32_t mant_odd = (f >> 13) & 1u;
-    f += ((15u - 127u) << 23) + 0xfffu;  // rebias exponent, round bias part 1
-    f += mant_odd;                        // round to nearest even, part 2
-    o = static_cast<uint16_t>(f >> 13);
-  }
-  return static_cast<uint16_t>(o | (sign >> 16));
+  const uint32_t f32infty = 255u << 23, f16max = (127u + 16u) << 23;
+  const uint32_t denorm_magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  const uint32_t all = FloatBits(ff);
+  const uint32_t sign = all & 0x80000000u;
+  const uint32_t f = all ^ sign;
+  const uint32_t overflow = f > f32infty ? 0x7e00u : 0x7c00u;  // NaN : Inf (or too large)
+  // Subnormal or zero result: the FPU's add rounds the mantissa into place.
+  const uint32_t subnormal = FloatBits(BitsFloat(f) + BitsFloat(denorm_magic_bits)) - denorm_magic_bits;
+  // Normal: rebias the exponent and round to nearest even.
+  const uint32_t normal = (f + ((15u - 127u) << 23) + 0xfffu + ((f >> 13) & 1u)) >> 13;
+  const uint32_t o = f >= f16max ? overflow : (f < (113u << 23) ? subnormal : normal);
+  return static_cast<uint16_t>((o & 0xffffu) | (sign >> 16));
 }
 
 inline float HalfToFloat(uint16_t h) {
@@ -81,16 +80,22 @@ template <typename T> inline typename Arith<T>::type Load(const T& x) { return x
 inline float Load(const f16& x) { return HalfToFloat(x.bits); }
 inline float Load(const bf16& x) { return Bf16ToFloat(x.bits); }
 
-// Stores from double: exact for every source type but f64, and f64 -> half
-// rounds through float exactly as Eigen's half(double) does.
-template <typename T> inline T StoreFromDouble(double d) { return static_cast<T>(d); }
-template <> inline f16 StoreFromDouble<f16>(double d) { return f16{FloatToHalf(static_cast<float>(d))}; }
-template <> inline bf16 StoreFromDouble<bf16>(double d) { return bf16{FloatToBf16(static_cast<float>(d))}; }
+// Stores an arithmetic value (float or double) into storage type T. From a
+// double, half and bfloat16 round through float, exactly as Eigen's
+// half(double) does. The float overloads keep the float paths free of double
+// conversions, so they vectorise.
+template <typename T> inline T StoreFrom(float x) { return static_cast<T>(x); }
+template <> inline f16 StoreFrom<f16>(float x) { return f16{FloatToHalf(x)}; }
+template <> inline bf16 StoreFrom<bf16>(float x) { return bf16{FloatToBf16(x)}; }
+template <typename T> inline T StoreFrom(double x) { return static_cast<T>(x); }
+template <> inline f16 StoreFrom<f16>(double x) { return f16{FloatToHalf(static_cast<float>(x))}; }
+template <> inline bf16 StoreFrom<bf16>(double x) { return bf16{FloatToBf16(static_cast<float>(x))}; }
 
-// Rounds an arithmetic-type value to the storage type and back (a no-op for f32/f64).
-template <typename T> inline typename Arith<T>::type Round(typename Arith<T>::type x) {
-  return Load(StoreFromDouble<T>(static_cast<double>(x)));
-}
+// Rounds an arithmetic-type value to the storage type T and back: the
+// result of an f16/bf16 multiply; a no-op for f32/f64.
+template <typename T> inline typename Arith<T>::type Round(typename Arith<T>::type x) { return x; }
+template <> inline float Round<f16>(float x) { return Load(StoreFrom<f16>(x)); }
+template <> inline float Round<bf16>(float x) { return Load(StoreFrom<bf16>(x)); }
 
 // ---------------------------------------------------------------------------
 // Work sharing.
@@ -299,9 +304,9 @@ std::vector<Span> Spans(int num_tensors, const hvrep_tensor_ref* refs) {
 template <typename S, typename D>
 void PackSpan(const S* src, D* dst, int64_t n, double scale) {
   using A = typename Arith<S>::type;
-  const A s = Load(StoreFromDouble<S>(scale));
+  const A s = Load(StoreFrom<S>(scale));
   for (int64_t j = 0; j < n; ++j) {
-    dst[j] = StoreFromDouble<D>(static_cast<double>(Round<S>(Load(src[j]) * s)));
+    dst[j] = StoreFrom<D>(Round<S>(Load(src[j]) * s));
   }
 }
 
@@ -309,10 +314,10 @@ void PackSpan(const S* src, D* dst, int64_t n, double scale) {
 template <typename S, typename D>
 void UnpackSpan(const S* src, D* dst, int64_t n, double scale) {
   using A = typename Arith<D>::type;
-  const A s = Load(StoreFromDouble<D>(scale));
+  const A s = Load(StoreFrom<D>(scale));
   for (int64_t j = 0; j < n; ++j) {
-    const A x = Load(StoreFromDouble<D>(static_cast<double>(Load(src[j]))));
-    dst[j] = StoreFromDouble<D>(static_cast<double>(x * s));
+    const A x = Load(StoreFrom<D>(Load(src[j])));
+    dst[j] = StoreFrom<D>(x * s);  // one rounding to D
   }
 }
 
