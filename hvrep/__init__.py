@@ -13,7 +13,7 @@ from hvrep.placement import Placement, resolve_placement
 # Horovod themselves. A no-op on CPU builds.
 _compat.load_runtime_shim()
 
-from hvrep import layers, models, optimizers, recipes, schedules  # noqa: E402
+from hvrep import kernels, layers, models, optimizers, recipes, schedules  # noqa: E402
 from hvrep.backends.base import InputContext  # noqa: E402
 from hvrep.collectives import all_gather, all_reduce, broadcast, num_replicas, replica_id  # noqa: E402
 from hvrep.config import CommConfig  # noqa: E402
@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "errors",
+    "kernels",
     "layers",
     "models",
     "num_replicas",
