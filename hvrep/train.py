@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvrep import configs
+from hvrep import configs, kernels
 from hvrep.errors import HvrepError
 
 
@@ -155,7 +155,8 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     metrics = _Metrics(out, chief)
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile,
                  "input": cfg.data.backend, "compression": cfg.comm.compression,
-                 "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups}
+                 "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,
+                 "kernels": kernels.status().describe()}
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,

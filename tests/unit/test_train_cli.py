@@ -63,6 +63,7 @@ def test_two_ranks_write_metrics_and_a_checkpoint_then_resume(demo_data, tmp_pat
     config = events[0]
     assert config["event"] == "config" and config["replicas"] == 2 and config["backend"] == "horovod"
     assert config["fast_path"]["input"] == "tfdata" and config["optimizer"] == "LARS"
+    assert config["fast_path"]["kernels"].startswith("fused (CPU"), config["fast_path"]  # LARS took the fused op
     assert [e["step"] for e in events if e["event"] == "train"] == [2, 4, 6]
     final = events[-1]
     assert final["event"] == "final" and final["stopped"] == "max_steps" and final["step"] == 6
