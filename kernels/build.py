@@ -108,7 +108,10 @@ def build_key(tf_version: str, tf_flags: list[str], cxx: str, nvcc: str | None) 
     for p in SOURCES:
         h.update(str(p.relative_to(HERE)).encode())
         h.update(p.read_bytes())
-    for part in (tf_version, " ".join(tf_flags), _version([cxx, "--version"]) or cxx,
+    # Include and library paths name this venv; leaving them out lets another
+    # clone or venv with the same TensorFlow reuse the build.
+    flags = [f for f in tf_flags if not f.startswith(("-I", "-L"))]
+    for part in (tf_version, " ".join(flags), _version([cxx, "--version"]) or cxx,
                  _version([nvcc, "--version"], -1) if nvcc else "no-nvcc", platform.machine(),
                  " ".join(CXXFLAGS + TF_CXXFLAGS + NVCCFLAGS)):
         h.update(b"\0" + str(part).encode())
