@@ -1,7 +1,15 @@
 """hvrep: write the training step for one replica, run it on many.
 
-This module only re-exports; see the submodules for the code.
+This module only re-exports; see the submodules for the code. Names that
+need TensorFlow (everything but ``errors``, ``Placement``,
+``resolve_placement`` and ``__version__``) are imported on first use, so
+``hvrep --help``, ``hvrep doctor --quick``, ``hvrep launch`` and
+``hvrep report`` start in a fraction of a second instead of paying
+TensorFlow's import (5 s and more).
 """
+
+import importlib
+from typing import Any
 
 from hvrep import compat as _compat
 from hvrep import errors
@@ -10,14 +18,26 @@ from hvrep.placement import Placement, resolve_placement
 
 # GPU (NCCL) builds of Horovod need the stream shim loaded before
 # horovod.tensorflow; doing it here lets users `import hvrep` and then import
-# Horovod themselves. A no-op on CPU builds.
+# Horovod themselves. A no-op on CPU builds (no shim: TensorFlow is not imported).
 _compat.load_runtime_shim()
 
-from hvrep import kernels, layers, models, optimizers, recipes, schedules  # noqa: E402
-from hvrep.backends.base import InputContext  # noqa: E402
-from hvrep.collectives import all_gather, all_reduce, broadcast, num_replicas, replica_id  # noqa: E402
-from hvrep.config import CommConfig  # noqa: E402
-from hvrep.replicator import Replicator  # noqa: E402
+# name -> (module, attribute; None: the module itself)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "CommConfig": ("hvrep.config", "CommConfig"),
+    "InputContext": ("hvrep.backends.base", "InputContext"),
+    "Replicator": ("hvrep.replicator", "Replicator"),
+    "all_gather": ("hvrep.collectives", "all_gather"),
+    "all_reduce": ("hvrep.collectives", "all_reduce"),
+    "broadcast": ("hvrep.collectives", "broadcast"),
+    "num_replicas": ("hvrep.collectives", "num_replicas"),
+    "replica_id": ("hvrep.collectives", "replica_id"),
+    "kernels": ("hvrep.kernels", None),
+    "layers": ("hvrep.layers", None),
+    "models": ("hvrep.models", None),
+    "optimizers": ("hvrep.optimizers", None),
+    "recipes": ("hvrep.recipes", None),
+    "schedules": ("hvrep.schedules", None),
+}
 
 __all__ = [
     "CommConfig",
@@ -39,3 +59,17 @@ __all__ = [
     "resolve_placement",
     "schedules",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hvrep' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
