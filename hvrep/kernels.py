@@ -52,8 +52,19 @@ __all__ = [
     "reference_pack",
     "reference_unpack",
     "status",
+    "tf_identity",
     "unpack",
 ]
+
+
+def tf_identity() -> str:
+    """The TensorFlow build the kernels must match: its version, "+cuda" for a CUDA build.
+
+    The CPU-only and CUDA wheels of one version are different builds of
+    libtensorflow_framework; a library compiled against one is not loaded into the other.
+    """
+    cuda = tf.sysconfig.get_build_info().get("is_cuda_build", False)
+    return tf.__version__ + ("+cuda" if cuda else "")
 
 
 @dataclass(frozen=True)
@@ -99,11 +110,11 @@ def _load() -> tuple[ModuleType | None, KernelStatus]:
         return None, KernelStatus("reference", build=build, reason="the build failed: "
                                   + str(build.get("cpu", {}).get("reason", "unknown")).splitlines()[0]
                                   + f" (log: {LIB_DIR / 'build.log'})")
-    if build.get("tensorflow") != tf.__version__:
+    if build.get("tensorflow") != tf_identity():
         # A library compiled against another TensorFlow fails to load with an
         # undefined symbol at best; never try it.
         return None, KernelStatus("reference", build=build, reason=(
-            f"built for TensorFlow {build.get('tensorflow')}, this is {tf.__version__}: "
+            f"built for TensorFlow {build.get('tensorflow')}, this is {tf_identity()}: "
             "rebuild with `make setup` or `python kernels/build.py`"))
     try:
         module = tf.load_op_library(str(LIB_DIR / CPU_LIB))

@@ -189,10 +189,13 @@ def build(work: Path, *, tf_flags: tuple[list[str], list[str]] | None, cxx: str,
 
 
 def _tf_flags() -> tuple[str, tuple[list[str], list[str]]]:
+    """(the TensorFlow build's identity, (compile flags, link flags))."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    return tf.__version__, (list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags()))
+    from hvrep.kernels import tf_identity
+
+    return tf_identity(), (list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags()))
 
 
 def main(argv: list[str] | None = None) -> int:

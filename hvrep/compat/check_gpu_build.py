@@ -1,11 +1,14 @@
-"""``make check-gpu-build``: proves Horovod's CUDA/NCCL build compiles, links and imports.
+"""``make check-gpu-build``: proves the GPU builds compile, link and import: Horovod's and hvrep's kernels.
 
 No GPU is needed: in a throwaway virtual environment with the GPU-capable
 ``tensorflow[and-cuda]`` wheel, Horovod is built with
 ``HOROVOD_GPU_OPERATIONS=NCCL`` (nvcc, NCCL from its wheel, the GPU compat
 header and the stream shim), then imported through hvrep and used for CPU
-all-reduces on 1 and 2 ranks. Whether NCCL all-reduces run on GPUs can only
-be checked on a GPU machine; this check says so in its result.
+all-reduces on 1 and 2 ranks. hvrep's kernels (kernels/build.py) are then
+built against that CUDA TensorFlow, their GPU library is loaded into it, and
+the fused ops are checked against their references on the CPU. Whether NCCL
+all-reduces and the CUDA kernels run on GPUs can only be checked on a GPU
+machine; this check says so in its result.
 
 The result is written as JSON to ``~/.cache/hvrep/gpu-build-check/result.json``.
 """
@@ -43,6 +46,42 @@ if hvd.rank() == 0:
         "tf": tf.__version__, "tf_built_with_cuda": tf.test.is_built_with_cuda(),
     }))
 """
+
+
+# hvrep's kernels in the CUDA TensorFlow: the GPU library must load (every
+# symbol resolves against this libtensorflow_framework), and the ops agree
+# with their references (on the CPU: there is no GPU here).
+_KERNELS_SMOKE = r"""
+import json
+import numpy as np, tensorflow as tf
+from hvrep import kernels
+st = kernels.status()
+tf.load_op_library(str(kernels.LIB_DIR / kernels.CUDA_LIB))
+xs = [tf.constant(np.random.default_rng(0).normal(size=s).astype(np.float32)) for s in [(3, 3, 64, 64), (64,), (1000,)]]
+pack_ok = bool(np.array_equal(kernels.pack(xs, tf.float16, 0.125, use_kernel=True).numpy(),
+                              kernels.reference_pack(xs, tf.float16, 0.125).numpy()))
+ws = [[tf.Variable(x) for x in xs] for _ in range(2)]
+vs = [[tf.Variable(tf.zeros_like(x)) for x in xs] for _ in range(2)]
+args = dict(momentum=0.9, weight_decay=1e-4, eta=0.001, decay=[True, False, True], adapt=[True, False, True])
+kernels.fused_lars_apply(ws[0], vs[0], xs, 0.1, use_kernel=True, **args)
+kernels.reference_lars_apply(ws[1], vs[1], xs, 0.1, **args)
+lars_err = max(float(np.linalg.norm(a.numpy() - b.numpy()) / np.linalg.norm(b.numpy())) for a, b in zip(*ws))
+print("KERNELS " + json.dumps({"path": st.describe(), "build": st.build.get("key"), "tensorflow": kernels.tf_identity(),
+                               "cuda_built": bool(st.build.get("cuda", {}).get("built")), "cuda_library_loads": True,
+                               "pack_equals_reference": pack_ok, "lars_max_rel_err": lars_err}))
+"""
+
+
+def _kernels(python: Path, out: Path, log) -> dict:
+    _run([str(python), str(_ROOT / "kernels" / "build.py"), "--out", str(out), "--strict"], log)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", _env.HVREP_KERNELS_DIR: str(out)}
+    res = subprocess.run([str(python), "-c", _KERNELS_SMOKE], capture_output=True, text=True, env=env, timeout=300)
+    log.write(res.stdout + res.stderr)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("KERNELS ")]
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"hvrep's kernels in the CUDA TensorFlow failed (exit {res.returncode}):\n"
+                           f"{res.stderr[-3000:]}")
+    return json.loads(lines[0][len("KERNELS "):])
 
 
 def _run(cmd: list[str], log, **kw) -> None:
@@ -97,18 +136,25 @@ def main(argv: list[str] | None = None) -> int:
             result["build_seconds"] = round(time.monotonic() - t_build)
             result["smoke_1_rank"] = _smoke(py, 1, log)
             result["smoke_2_ranks"] = _smoke(py, 2, log)
+            t_kernels = time.monotonic()
+            result["kernels"] = _kernels(py, base / "kernels", log)
+            result["kernels"]["seconds"] = round(time.monotonic() - t_kernels)
         ok = all(result[k]["nccl_built"] and result[k]["stream_shim_loaded"]
                  for k in ("smoke_1_rank", "smoke_2_ranks"))
         ok = ok and result["smoke_2_ranks"]["allreduce_sum"] == [3.0] * 4
+        k = result["kernels"]
+        ok = ok and k["cuda_built"] and k["cuda_library_loads"] and k["pack_equals_reference"]
+        ok = ok and k["lars_max_rel_err"] <= 1e-6 and k["tensorflow"].endswith("+cuda")
         result["status"] = "passed" if ok else "failed"
     except (RuntimeError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         result["status"] = "failed"
         result["error"] = str(e)[-3000:]
         ok = False
-    result["not_checked_here"] = "NCCL all-reduce on a GPU (no GPU on this machine)"
+    result["not_checked_here"] = "NCCL all-reduce and hvrep's CUDA kernels on a GPU (no GPU on this machine)"
     result["total_seconds"] = round(time.monotonic() - t0)
     if not args.keep:
         shutil.rmtree(venv, ignore_errors=True)
+        shutil.rmtree(base / "kernels", ignore_errors=True)
     (base / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     if not ok:

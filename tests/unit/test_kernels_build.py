@@ -40,7 +40,7 @@ def test_setup_built_the_cpu_ops_for_this_tensorflow():
     assert shutil.which("g++"), "CI has a C++ compiler; without one this test has nothing to check"
     record = _record()
     assert record["cpu"]["built"], record["cpu"].get("reason")
-    assert record["tensorflow"] == tf.__version__
+    assert record["tensorflow"] == kernels.tf_identity() == tf.__version__  # the CPU wheel: no "+cuda"
     assert (kernels.LIB_DIR / record["cpu"]["library"]).exists()
     assert doctor.collect()["kernels"]["path"].startswith("fused (CPU")
 
