@@ -20,6 +20,7 @@ active and why.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "KernelStatus",
     "available",
     "fused_lars_apply",
+    "gpu_problem",
     "lars_update",
     "pack",
     "reference_lars_apply",
@@ -121,19 +123,63 @@ def _load() -> tuple[ModuleType | None, KernelStatus]:
     except (tf.errors.NotFoundError, OSError) as e:
         return None, KernelStatus("reference", build=build, reason=f"{LIB_DIR / CPU_LIB} failed to load: {e}")
     devices, note = ("CPU",), ""
-    if tf.config.list_physical_devices("GPU"):
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
         cuda = build.get("cuda", {})
-        if not cuda.get("built"):
-            note = "GPU variables use the reference: the CUDA kernels were not built (" + str(
-                cuda.get("reason", "unknown")).splitlines()[0] + ")"
-        else:
+        problem = None if cuda.get("built") else "the CUDA kernels were not built (" + str(
+            cuda.get("reason", "unknown")).splitlines()[0] + ")"
+        if problem is None:
             try:
                 tf.load_op_library(str(LIB_DIR / CUDA_LIB))
-                devices = ("CPU", "GPU")
+                driver, runtime = _cuda_versions(LIB_DIR / CUDA_LIB)
+                caps = [tuple(tf.config.experimental.get_device_details(g).get("compute_capability") or (0, 0))
+                        for g in gpus]
+                problem = gpu_problem(driver, runtime, caps, tuple(cuda.get("min_compute_capability", (7, 5))))
             except (tf.errors.NotFoundError, OSError) as e:
-                note = f"GPU variables use the reference: {LIB_DIR / CUDA_LIB} failed to load: {e}"
+                problem = f"{LIB_DIR / CUDA_LIB} failed to load: {e}"
+        if problem is None:
+            devices = ("CPU", "GPU")
+        else:
+            note = f"GPU variables use the reference: {problem}"
     _register_gradients()
     return module, KernelStatus("fused", devices=devices, reason=note, library=str(LIB_DIR / CPU_LIB), build=build)
+
+
+def _cuda_versions(library: Path) -> tuple[int, int]:
+    """(driver, runtime) CUDA versions as the GPU library sees them (kernels/src/probe.cu)."""
+    lib = ctypes.CDLL(str(library))  # already loaded by TensorFlow: this only looks the symbol up
+    driver, runtime = ctypes.c_int(0), ctypes.c_int(0)
+    rc = lib.hvrep_cuda_versions(ctypes.byref(driver), ctypes.byref(runtime))
+    if rc != 0:
+        raise OSError(f"hvrep_cuda_versions failed with code {rc}")
+    return driver.value, runtime.value
+
+
+def _cuda_version_text(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def gpu_problem(driver: int, runtime: int, capabilities: Sequence[tuple[int, int]],
+                min_capability: tuple[int, int] = (7, 5)) -> str | None:
+    """Why the CUDA kernels cannot run here, or None if they can.
+
+    Args:
+      driver, runtime: CUDA versions (1000 * major + 10 * minor); driver 0: none installed.
+      capabilities: each visible GPU's compute capability, e.g. (9, 0).
+      min_capability: the oldest GPU the kernels were compiled for.
+    """
+    if driver == 0:
+        return "no NVIDIA driver is installed"
+    if driver < runtime:
+        return (f"the NVIDIA driver supports CUDA {_cuda_version_text(driver)}, older than the CUDA "
+                f"{_cuda_version_text(runtime)} runtime the kernels were built with; update the driver, "
+                "or rebuild with an older CUDA toolkit (CUDA_HOME=... python kernels/build.py --force)")
+    old = sorted({c for c in capabilities if tuple(c) < tuple(min_capability)})
+    if old:
+        have = ", ".join(f"{a}.{b}" for a, b in old)
+        return (f"a GPU of compute capability {have} is older than the kernels' minimum "
+                f"{min_capability[0]}.{min_capability[1]}")
+    return None
 
 
 def status() -> KernelStatus:

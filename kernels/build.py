@@ -54,10 +54,13 @@ CXXFLAGS = ["-std=c++17", "-O3", "-fPIC", "-ffp-contract=off", "-Wall", "-Wextra
             *(["-march=x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else [])]
 # The TF wrapper: TF's headers use deprecated names of their own; silence only that.
 TF_CXXFLAGS = ["-O2", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size"]
-# sm_80 (A100) and sm_90 (H100/H200) as machine code, and compute_90 PTX that
-# the driver JIT-compiles for newer GPUs. nvcc 13 no longer targets < sm_75.
-NVCC_ARCH = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-             "-gencode", "arch=compute_90,code=compute_90"]
+# sm_75 (T4), sm_80 (A100; also runs on the other 8.x parts) and sm_90 (H100/H200)
+# as machine code, and compute_90 PTX that the driver JIT-compiles for newer
+# GPUs. nvcc 13 no longer targets anything older than sm_75, so hvrep.kernels
+# uses the CUDA kernels only on GPUs of compute capability >= MIN_COMPUTE_CAPABILITY.
+NVCC_ARCH = ["-gencode", "arch=compute_75,code=sm_75", "-gencode", "arch=compute_80,code=sm_80",
+             "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
+MIN_COMPUTE_CAPABILITY = (7, 5)
 NVCCFLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off", *NVCC_ARCH]
 
 
@@ -137,7 +140,8 @@ def _build_harness(b: _Builder, nvcc: str, cuda_objs: list[str] | None = None) -
     """The harness links the CUDA kernels and kernels/src/cpu.cc, its CPU reference."""
     inc = ["-I", str(HERE / "include")]
     out = b.work / HARNESS
-    kernels = cuda_objs or [str(HERE / "src" / "lars.cu"), str(HERE / "src" / "pack.cu")]
+    kernels = [o for o in cuda_objs if "probe" not in o] if cuda_objs else [
+        str(HERE / "src" / "lars.cu"), str(HERE / "src" / "pack.cu")]
     b.run("compiling the CUDA harness", [nvcc, *NVCCFLAGS, *inc, "-o", str(out), str(HERE / "harness" / "harness.cu"),
                                           *kernels, str(HERE / "src" / "cpu.cc")])
     return out
@@ -166,7 +170,7 @@ def build(work: Path, *, tf_flags: tuple[list[str], list[str]] | None, cxx: str,
         return record
     try:
         objs = []
-        for name in ("lars", "pack"):
+        for name in ("lars", "pack", "probe"):
             obj = work / f"{name}.cu.o"
             b.run(f"compiling kernels/src/{name}.cu", [nvcc, *NVCCFLAGS, *inc, "-c", str(HERE / "src" / f"{name}.cu"),
                                                       "-o", str(obj)])
@@ -180,7 +184,7 @@ def build(work: Path, *, tf_flags: tuple[list[str], list[str]] | None, cxx: str,
                 str(cpu_obj), "-o", str(work / CUDA_LIB), *lflags,
                 # cudart linked statically: the library then needs only the driver (libcuda), as TF does.
                 "-L", str(cuda_lib_dir(nvcc)), "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread"])
-            record["cuda"].update(built=True, library=CUDA_LIB)
+            record["cuda"].update(built=True, library=CUDA_LIB, min_compute_capability=list(MIN_COMPUTE_CAPABILITY))
         elif tf_flags is not None:
             record["cuda"]["reason"] = "the CPU op library failed, and the GPU kernels need its op definitions"
     except RuntimeError as e:
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                       nvcc=_version([nvcc, "--version"], -1) if nvcc else None,
                       built_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
         if work is not None:
-            for name in ("cpu.o", "lars.cu.o", "pack.cu.o"):
+            for name in ("cpu.o", "lars.cu.o", "pack.cu.o", "probe.cu.o"):
                 (work / name).unlink(missing_ok=True)
             (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
             # Only a finished build goes in the cache (rename is atomic); a build

@@ -116,6 +116,11 @@ int hvrep_unpack_cpu(const void* src, int src_dtype, int num_tensors, const hvre
 /* cudaGetErrorString for a positive code; hvrep_strerror for the others. */
 const char* hvrep_cuda_strerror(int code);
 
+/* The CUDA driver and runtime versions this library sees (1000 * major + 10 * minor, e.g. 12040,
+ * 13000); *driver is 0 where no driver is installed. The runtime is linked statically, so the
+ * kernels run only with a driver at least as new (hvrep.kernels checks this before using them). */
+int hvrep_cuda_versions(int* driver, int* runtime);
+
 size_t hvrep_lars_cuda_workspace_bytes(int num_tensors, const hvrep_lars_tensor* tensors);
 int hvrep_lars_cuda(int dtype, int num_tensors, const hvrep_lars_tensor* tensors, const void* lr,
                     hvrep_lars_hparams hp, void* workspace, size_t workspace_bytes, void* stream);

@@ -51,11 +51,25 @@ def test_setup_compiled_the_cuda_kernels_and_they_link_into_this_tensorflow():
     assert record["cuda"]["built"], record["cuda"].get("reason")
     # The GPU library loads (every symbol resolves) even into CPU-only TensorFlow;
     # hvrep loads it only where TF sees a GPU.
-    code = ("import tensorflow as tf\n"
+    code = ("import tensorflow as tf\nfrom hvrep import kernels\n"
             f"tf.load_op_library({str(kernels.LIB_DIR / 'libhvrep_ops.so')!r})\n"
-            f"tf.load_op_library({str(kernels.LIB_DIR / 'libhvrep_ops_cuda.so')!r})\nprint('loaded')\n")
+            f"tf.load_op_library({str(kernels.LIB_DIR / 'libhvrep_ops_cuda.so')!r})\n"
+            f"print('loaded', *kernels._cuda_versions(kernels.LIB_DIR / 'libhvrep_ops_cuda.so'))\n")
     res = _run([sys.executable, "-c", code])
     assert res.returncode == 0 and "loaded" in res.stdout, res.stderr[-2000:]
+    # The probe answers without a GPU: the runtime it was linked with, and the driver (0: none here).
+    _, driver, runtime = res.stdout.split()[-3:]
+    assert int(runtime) >= 12000 and int(driver) >= 0
+    assert record["cuda"]["min_compute_capability"] == [7, 5]
+
+
+def test_gpu_problem_names_an_old_driver_an_old_gpu_or_no_driver():
+    assert kernels.gpu_problem(13000, 13000, [(9, 0), (8, 6)]) is None
+    assert kernels.gpu_problem(0, 13000, [(9, 0)]) == "no NVIDIA driver is installed"
+    old_driver = kernels.gpu_problem(12040, 13000, [(9, 0)])
+    assert "supports CUDA 12.4, older than the CUDA 13.0 runtime" in old_driver and "update the driver" in old_driver
+    assert "compute capability 7.0 is older than the kernels' minimum 7.5" in kernels.gpu_problem(
+        13000, 13000, [(9, 0), (7, 0)])
 
 
 @pytest.mark.skipif(not NVCC, reason="no nvcc on this machine: the harness is not built here")
