@@ -51,12 +51,19 @@ inline bool ValidDtype(int dtype) { return dtype >= HVREP_F16 && dtype <= HVREP_
 inline int64_t NumChunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 // Copies the host-built metadata `host` into the (aligned) workspace.
-// cudaMemcpyAsync from pageable host memory returns only once the bytes are
-// staged for the DMA ("the function will return once the pageable buffer has
-// been copied to the staging memory", CUDA Runtime API, "API synchronization
-// behavior", https://docs.nvidia.com/cuda/cuda-runtime-api/api-sync-behavior.html),
-// so `host`, a std::vector of ours and therefore always pageable whatever
-// memory the caller's arrays live in, may be freed when we return.
+// What the CUDA docs promise ("API synchronization behavior",
+// https://docs.nvidia.com/cuda/cuda-runtime-api/api-sync-behavior.html): an
+// async copy from pageable memory "might be synchronous with respect to host",
+// and if it must be staged, "the driver may synchronize with the stream and
+// stage the copy into pinned memory". Either way the pageable bytes have been
+// read when the call returns, so `host` (a std::vector of ours, so pageable
+// whatever memory the caller's arrays live in) may be freed when we return.
+// The cost that leaves: the driver may wait for the stream's earlier work
+// before staging, i.e. a possible host-side stream synchronisation per
+// hvrep_*_cuda call, which would stall a caller that enqueues ahead. The way
+// out, passing the tables as kernel parameters (up to ~32 KB on CUDA 12.1+)
+// instead of through the workspace, caps the list length and so changes what
+// the C interface promises; it is a follow-up, not done here.
 inline int StageMetadata(const std::vector<unsigned char>& host, void* device, cudaStream_t stream) {
   if (host.empty()) return HVREP_OK;
   const cudaError_t err = cudaMemcpyAsync(device, host.data(), host.size(), cudaMemcpyHostToDevice, stream);
@@ -141,15 +148,42 @@ template <> struct Conv<double> {
   __device__ static double FromFloat(float x) { return x; }
   __device__ static double FromDouble(double x) { return x; }
 };
+// NaN: TensorFlow's casts (Eigen; cpu.cc's FloatToHalf / FloatToBf16) give
+// the canonical quiet NaN with the input's sign, 0x7e00|sign for f16 and
+// 0x7fc0|sign for bf16, where __float2half_rn / __float2bfloat16_rn give 0x7fff.
+// A select on isnan costs one compare per element and matches cpu.cc bit for
+// bit. The sign is taken from the value converted (for a double, before it is
+// narrowed: the GPU's f64 -> f32 conversion may drop a NaN's sign). The f32/f64
+// arithmetic itself is not made to match: the GPU returns 0x7fffffff for every
+// NaN result where x86 keeps an operand's payload and sign (IEEE 754 leaves
+// both unspecified), so f32/f64 results match as "NaN where NaN", and the
+// sign of an f16/bf16 NaN that came out of a multiply may differ.
+__device__ __forceinline__ unsigned short NanSign(float x) {
+  return static_cast<unsigned short>((__float_as_uint(x) >> 16) & 0x8000u);
+}
+__device__ __forceinline__ unsigned short NanSign(double x) {
+  return static_cast<unsigned short>((static_cast<unsigned long long>(__double_as_longlong(x)) >> 48) & 0x8000u);
+}
+template <typename F>
+__device__ __forceinline__ __half ToHalf(F x, float narrowed) {
+  const __half r = __float2half_rn(narrowed);
+  return isnan(x) ? __ushort_as_half(static_cast<unsigned short>(0x7e00u | NanSign(x))) : r;
+}
+template <typename F>
+__device__ __forceinline__ __nv_bfloat16 ToBf16(F x, float narrowed) {
+  const __nv_bfloat16 r = __float2bfloat16_rn(narrowed);
+  return isnan(x) ? __ushort_as_bfloat16(static_cast<unsigned short>(0x7fc0u | NanSign(x))) : r;
+}
+
 template <> struct Conv<__half> {
   __device__ static float ToFloat(__half x) { return __half2float(x); }
-  __device__ static __half FromFloat(float x) { return __float2half_rn(x); }
-  __device__ static __half FromDouble(double x) { return __float2half_rn(__double2float_rn(x)); }
+  __device__ static __half FromFloat(float x) { return ToHalf(x, x); }
+  __device__ static __half FromDouble(double x) { return ToHalf(x, __double2float_rn(x)); }
 };
 template <> struct Conv<__nv_bfloat16> {
   __device__ static float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 FromFloat(float x) { return __float2bfloat16_rn(x); }
-  __device__ static __nv_bfloat16 FromDouble(double x) { return __float2bfloat16_rn(__double2float_rn(x)); }
+  __device__ static __nv_bfloat16 FromFloat(float x) { return ToBf16(x, x); }
+  __device__ static __nv_bfloat16 FromDouble(double x) { return ToBf16(x, __double2float_rn(x)); }
 };
 
 // cast<To>(x): a double source converts directly (see above for f16/bf16);
