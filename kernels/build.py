@@ -61,6 +61,7 @@ TF_CXXFLAGS = ["-O2", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interferenc
 NVCC_ARCH = ["-gencode", "arch=compute_75,code=sm_75", "-gencode", "arch=compute_80,code=sm_80",
              "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
 MIN_COMPUTE_CAPABILITY = (7, 5)
+CUDA_SOURCES = ("lars", "pack", "probe")  # kernels/src/<name>.cu
 NVCCFLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off", *NVCC_ARCH]
 
 
@@ -140,8 +141,7 @@ def _build_harness(b: _Builder, nvcc: str, cuda_objs: list[str] | None = None) -
     """The harness links the CUDA kernels and kernels/src/cpu.cc, its CPU reference."""
     inc = ["-I", str(HERE / "include")]
     out = b.work / HARNESS
-    kernels = [o for o in cuda_objs if "probe" not in o] if cuda_objs else [
-        str(HERE / "src" / "lars.cu"), str(HERE / "src" / "pack.cu")]
+    kernels = cuda_objs or [str(HERE / "src" / f"{name}.cu") for name in CUDA_SOURCES]
     b.run("compiling the CUDA harness", [nvcc, *NVCCFLAGS, *inc, "-o", str(out), str(HERE / "harness" / "harness.cu"),
                                           *kernels, str(HERE / "src" / "cpu.cc")])
     return out
@@ -170,7 +170,7 @@ def build(work: Path, *, tf_flags: tuple[list[str], list[str]] | None, cxx: str,
         return record
     try:
         objs = []
-        for name in ("lars", "pack", "probe"):
+        for name in CUDA_SOURCES:
             obj = work / f"{name}.cu.o"
             b.run(f"compiling kernels/src/{name}.cu", [nvcc, *NVCCFLAGS, *inc, "-c", str(HERE / "src" / f"{name}.cu"),
                                                       "-o", str(obj)])
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                       nvcc=_version([nvcc, "--version"], -1) if nvcc else None,
                       built_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
         if work is not None:
-            for name in ("cpu.o", "lars.cu.o", "pack.cu.o", "probe.cu.o"):
+            for name in ("cpu.o", *(f"{n}.cu.o" for n in CUDA_SOURCES)):
                 (work / name).unlink(missing_ok=True)
             (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
             # Only a finished build goes in the cache (rename is atomic); a build

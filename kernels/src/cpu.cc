@@ -386,6 +386,36 @@ std::vector<int64_t> Offsets(int num_tensors, const hvrep_tensor_ref* refs) {
   return off;
 }
 
+// pack (kPack) or unpack between the tensors `refs` and the rank-1 `buffer`
+// of `buffer_dtype`; the buffer is written by pack and read by unpack.
+template <bool kPack>
+int CopyCpu(int num_tensors, const hvrep_tensor_ref* refs, void* buffer, int buffer_dtype, const double* scale,
+            hvrep_parallel_for pf, void* pool) {
+  if (int rc = CheckRefs(num_tensors, refs); rc != HVREP_OK) return rc;
+  if (!ValidDtype(buffer_dtype) || scale == nullptr) return HVREP_EINVAL;
+  const std::vector<int64_t> off = Offsets(num_tensors, refs);
+  if (off[num_tensors] > 0 && buffer == nullptr) return HVREP_EINVAL;
+  const std::vector<Span> spans = Spans(num_tensors, refs);
+  const size_t bsize = hvrep_dtype_size(buffer_dtype);
+  const double s = *scale;
+  ParallelFor(pf, pool, static_cast<int64_t>(spans.size()), [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const Span& sp = spans[u];
+      const hvrep_tensor_ref& r = refs[sp.tensor];
+      char* tensor = static_cast<char*>(r.ptr) + sp.begin * hvrep_dtype_size(r.dtype);
+      char* buf = static_cast<char*>(buffer) + (off[sp.tensor] + sp.begin) * bsize;
+      if (kPack) {
+        Dispatch<PackFn>(r.dtype, buffer_dtype, static_cast<const void*>(tensor), static_cast<void*>(buf),
+                         sp.end - sp.begin, s);
+      } else {
+        Dispatch<UnpackFn>(buffer_dtype, r.dtype, static_cast<const void*>(buf), static_cast<void*>(tensor),
+                           sp.end - sp.begin, s);
+      }
+    }
+  });
+  return HVREP_OK;
+}
+
 }  // namespace
 
 extern "C" {
@@ -426,46 +456,12 @@ int hvrep_lars_cpu(int dtype, int num_tensors, const hvrep_lars_tensor* tensors,
 
 int hvrep_pack_cpu(int num_tensors, const hvrep_tensor_ref* srcs, void* dst, int dst_dtype, const double* scale,
                    hvrep_parallel_for parallel_for, void* pool) {
-  if (int rc = CheckRefs(num_tensors, srcs); rc != HVREP_OK) return rc;
-  if (!ValidDtype(dst_dtype) || scale == nullptr) return HVREP_EINVAL;
-  const std::vector<int64_t> off = Offsets(num_tensors, srcs);
-  if (off[num_tensors] > 0 && dst == nullptr) return HVREP_EINVAL;
-  const std::vector<Span> spans = Spans(num_tensors, srcs);
-  const size_t dsize = hvrep_dtype_size(dst_dtype);
-  const double s = *scale;
-  ParallelFor(parallel_for, pool, static_cast<int64_t>(spans.size()), [&](int64_t b, int64_t e) {
-    for (int64_t u = b; u < e; ++u) {
-      const Span& sp = spans[u];
-      const hvrep_tensor_ref& r = srcs[sp.tensor];
-      const char* src = static_cast<const char*>(r.ptr) + sp.begin * hvrep_dtype_size(r.dtype);
-      char* out = static_cast<char*>(dst) + (off[sp.tensor] + sp.begin) * dsize;
-      Dispatch<PackFn>(r.dtype, dst_dtype, static_cast<const void*>(src), static_cast<void*>(out),
-                       sp.end - sp.begin, s);
-    }
-  });
-  return HVREP_OK;
+  return CopyCpu</*kPack=*/true>(num_tensors, srcs, dst, dst_dtype, scale, parallel_for, pool);
 }
 
 int hvrep_unpack_cpu(const void* src, int src_dtype, int num_tensors, const hvrep_tensor_ref* dsts,
                      const double* scale, hvrep_parallel_for parallel_for, void* pool) {
-  if (int rc = CheckRefs(num_tensors, dsts); rc != HVREP_OK) return rc;
-  if (!ValidDtype(src_dtype) || scale == nullptr) return HVREP_EINVAL;
-  const std::vector<int64_t> off = Offsets(num_tensors, dsts);
-  if (off[num_tensors] > 0 && src == nullptr) return HVREP_EINVAL;
-  const std::vector<Span> spans = Spans(num_tensors, dsts);
-  const size_t ssize = hvrep_dtype_size(src_dtype);
-  const double s = *scale;
-  ParallelFor(parallel_for, pool, static_cast<int64_t>(spans.size()), [&](int64_t b, int64_t e) {
-    for (int64_t u = b; u < e; ++u) {
-      const Span& sp = spans[u];
-      const hvrep_tensor_ref& r = dsts[sp.tensor];
-      const char* in = static_cast<const char*>(src) + (off[sp.tensor] + sp.begin) * ssize;
-      char* out = static_cast<char*>(r.ptr) + sp.begin * hvrep_dtype_size(r.dtype);
-      Dispatch<UnpackFn>(src_dtype, r.dtype, static_cast<const void*>(in), static_cast<void*>(out),
-                         sp.end - sp.begin, s);
-    }
-  });
-  return HVREP_OK;
+  return CopyCpu</*kPack=*/false>(num_tensors, dsts, const_cast<void*>(src), src_dtype, scale, parallel_for, pool);
 }
 
 }  // extern "C"

@@ -39,37 +39,36 @@ struct GpuTraits {
     return ctx->op_device_context()->stream()->MemcpyD2D(&d, s, bytes);
   }
 
-  static absl::Status Lars(OpKernelContext* ctx, int dtype, int n, const hvrep_lars_tensor* t, const void* lr,
-                           const hvrep_lars_hparams& hp) {
+  // Runs `launch(workspace, stream)` with `bytes` of scratch; `op` names it in errors.
+  template <typename F>
+  static absl::Status Run(OpKernelContext* ctx, const char* op, size_t bytes, F launch) {
     TF_ASSIGN_OR_RETURN(void* stream, Stream(ctx));
-    const size_t bytes = hvrep_lars_cuda_workspace_bytes(n, t);
     Tensor keep;
     void* ws;
     TF_RETURN_IF_ERROR(Workspace(ctx, bytes, &keep, &ws));
-    return KernelStatus("HvrepFusedLarsApply", hvrep_lars_cuda(dtype, n, t, lr, hp, ws, bytes, stream),
-                        hvrep_cuda_strerror);
+    return KernelStatus(op, launch(ws, bytes, stream), hvrep_cuda_strerror);
+  }
+
+  static absl::Status Lars(OpKernelContext* ctx, int dtype, int n, const hvrep_lars_tensor* t, const void* lr,
+                           const hvrep_lars_hparams& hp) {
+    return Run(ctx, "HvrepFusedLarsApply", hvrep_lars_cuda_workspace_bytes(n, t),
+               [&](void* ws, size_t bytes, void* stream) {
+                 return hvrep_lars_cuda(dtype, n, t, lr, hp, ws, bytes, stream);
+               });
   }
 
   static absl::Status Pack(OpKernelContext* ctx, int n, const hvrep_tensor_ref* srcs, void* dst, int dst_dtype,
                            const double* scale) {
-    TF_ASSIGN_OR_RETURN(void* stream, Stream(ctx));
-    const size_t bytes = hvrep_pack_cuda_workspace_bytes(n);
-    Tensor keep;
-    void* ws;
-    TF_RETURN_IF_ERROR(Workspace(ctx, bytes, &keep, &ws));
-    return KernelStatus("HvrepPack", hvrep_pack_cuda(n, srcs, dst, dst_dtype, scale, ws, bytes, stream),
-                        hvrep_cuda_strerror);
+    return Run(ctx, "HvrepPack", hvrep_pack_cuda_workspace_bytes(n), [&](void* ws, size_t bytes, void* stream) {
+      return hvrep_pack_cuda(n, srcs, dst, dst_dtype, scale, ws, bytes, stream);
+    });
   }
 
   static absl::Status Unpack(OpKernelContext* ctx, const void* src, int src_dtype, int n, const hvrep_tensor_ref* dsts,
                              const double* scale) {
-    TF_ASSIGN_OR_RETURN(void* stream, Stream(ctx));
-    const size_t bytes = hvrep_pack_cuda_workspace_bytes(n);
-    Tensor keep;
-    void* ws;
-    TF_RETURN_IF_ERROR(Workspace(ctx, bytes, &keep, &ws));
-    return KernelStatus("HvrepUnpack", hvrep_unpack_cuda(src, src_dtype, n, dsts, scale, ws, bytes, stream),
-                        hvrep_cuda_strerror);
+    return Run(ctx, "HvrepUnpack", hvrep_pack_cuda_workspace_bytes(n), [&](void* ws, size_t bytes, void* stream) {
+      return hvrep_unpack_cuda(src, src_dtype, n, dsts, scale, ws, bytes, stream);
+    });
   }
 };
 
