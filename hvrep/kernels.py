@@ -290,6 +290,14 @@ def reference_lars_apply(variables: Sequence[Any], momentums: Sequence[Any], gra
                          adapt: Sequence[bool]) -> None:
     """:func:`fused_lars_apply` in plain TF: one variable at a time (the per-variable path)."""
     _check_lars_args(variables, momentums, gradients, decay, adapt)
+    _reference_lars(variables, momentums, gradients, learning_rate, momentum=momentum, weight_decay=weight_decay,
+                    eta=eta, epsilon=epsilon, nesterov=nesterov, decay=decay, adapt=adapt)
+
+
+def _reference_lars(variables: Sequence[Any], momentums: Sequence[Any], gradients: Sequence[Any],
+                    learning_rate: Any, *, momentum: float, weight_decay: float, eta: float, epsilon: float,
+                    nesterov: bool, decay: Sequence[bool], adapt: Sequence[bool]) -> None:
+    """:func:`reference_lars_apply` on arguments already checked."""
     for w, v, grad, d, a in zip(variables, momentums, gradients, decay, adapt, strict=True):
         tw, tv = _as_tf_variable(w), _as_tf_variable(v)
         g = tf.cast(tf.convert_to_tensor(grad), tw.dtype)
@@ -336,8 +344,8 @@ def fused_lars_apply(variables: Sequence[Any], momentums: Sequence[Any], gradien
         pick = [variables[i] for i in idx], [momentums[i] for i in idx], [gradients[i] for i in idx]
         flags = [(_DECAY if decay[i] else 0) | (_ADAPT if adapt[i] else 0) for i in idx]
         if module is None:
-            reference_lars_apply(*pick, learning_rate, **hyper, decay=[decay[i] for i in idx],
-                                 adapt=[adapt[i] for i in idx])
+            _reference_lars(*pick, learning_rate, **hyper, decay=[decay[i] for i in idx],
+                            adapt=[adapt[i] for i in idx])
             continue
         grads = [tf.cast(tf.convert_to_tensor(g), dtype) for g in pick[2]]
         module.hvrep_fused_lars_apply(
