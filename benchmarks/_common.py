@@ -8,11 +8,15 @@ ratios are taken per round, which cancels slow drift on a shared machine.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import platform
 import socket
 import sys
-from collections.abc import Sequence
+import traceback
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +93,35 @@ def parse_timing_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) ->
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first call traces and compiles), got {args.warmup}.")
     return args
+
+
+def run_id() -> str:
+    """An id shared by every record of one run: UTC time, then 8 random hex digits."""
+    return f"{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+
+
+def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Appends one JSON line per record to ``path``, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def warm_up(cases: Sequence[Any], calls: int, label: Callable[[Any], str]) -> None:
+    """Runs ``calls`` untimed calls of each case that has no ``error`` yet, into its ``warmup_ms``.
+
+    A case whose call raises gets ``error`` set and is skipped from then on
+    (e.g. XLA failing to compile one case); the others still run. Cases have
+    ``error``, ``warmup_ms`` and ``timed_call()``.
+    """
+    for case in cases:
+        if case.error is not None:
+            continue
+        try:
+            for _ in range(calls):
+                case.warmup_ms.append(case.timed_call())
+        except Exception as e:  # reported in the case's record, not fatal to the run
+            case.error = f"{type(e).__name__}: {e}".strip()[:2000]
+            print(f"{label(case)} failed in warm-up, skipped:\n"
+                  + "".join(traceback.format_exception_only(e))[-1500:], file=sys.stderr)

@@ -53,13 +53,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +74,9 @@ from hvrep.models import resnet50_variable_shapes
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_jsonl, fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
 from _common import environment as common_environment
-from _common import fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
+from _common import run_id as new_run_id
 
 MiB = 1024 * 1024
 THRESHOLDS = (0, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 128 * MiB)
@@ -362,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env = _environment(hvd, comm)
     env["loadavg_before"], env["loadavg_after"] = list(load_before), list(load_after)
-    run_id = f"{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id()
     config = {
         "repeats": args.repeats,
         "warmup": args.warmup,
@@ -432,10 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": summary,
         })
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, records)
     _print_table(records, config, env, args.out)
     return 0
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.metadata as md
 import io
 import json
@@ -65,7 +64,6 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,8 +80,9 @@ from hvrep.data.files import list_folder
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_jsonl, fmt_ratio, ratio
 from _common import environment as common_environment
-from _common import fmt_ratio, ratio
+from _common import run_id as new_run_id
 
 GOAL = 0.8  # pipeline images/s over decode-only images/s, same cores, same files
 JPEG_QUALITY = 90
@@ -471,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_core_decodes = [c for c in ok if c.kind == "decode" and c.threads == cores]
     limit = max(all_core_decodes, key=lambda c: float(np.median(rates[c.name])), default=None)
 
-    run_id = f"{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id()
     config = {
         "images": len(files),
         "batch": args.batch,
@@ -530,10 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": summary,
         })
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for r in out_records:
-            f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, out_records)
 
     _print_table(out_records, config, env, args.out)
     return 0

@@ -61,14 +61,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import math
 import os
 import sys
 import time
-import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -87,8 +83,9 @@ from hvrep.optimizers import LARS, MomentumSGD
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_jsonl, fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser, warm_up
 from _common import environment as common_environment
-from _common import fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
+from _common import run_id as new_run_id
 
 MODES = ("eager", "tf.function", "xla")
 LARS_PER_VARIABLE, LARS_FUSED = "LARS per-variable", "LARS fused"
@@ -365,16 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fused rows not timed: {fused_problem}", file=sys.stderr)
 
     load_before = os.getloadavg()
-    for case in cases:
-        if case.error is not None:
-            continue
-        try:
-            for _ in range(args.warmup):
-                case.warmup_ms.append(case.timed_call())
-        except Exception as e:  # one failing case (e.g. XLA) is reported, the others still run
-            case.error = f"{type(e).__name__}: {e}".strip()[:2000]
-            print(f"{case.optimizer} / {case.mode} failed in warm-up, skipped:\n"
-                  + "".join(traceback.format_exception_only(e))[-1500:], file=sys.stderr)
+    warm_up(cases, args.warmup, lambda c: f"{c.optimizer} / {c.mode}")
 
     sync_probe = next((c.sync for c in cases if c.kind == "optimizer" and c.error is None), None)
     sync_ms: list[float] = []
@@ -392,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Read before the trace counts below, so that a retrace by this look-up would show up in them.
     fused_ops = {id(c): _fused_ops_in_graph(c, grads) if c.error is None else None for c in cases}
     by_key = {(c.optimizer, c.mode): c for c in cases}
-    run_id = f"{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id()
     config = {
         "repeats": args.repeats,
         "warmup": args.warmup,
@@ -463,10 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "headline": headline,
         })
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, records)
 
     _print_table(records, config, env, sync_summary, headline, args.out)
     return 0

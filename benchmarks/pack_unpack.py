@@ -42,14 +42,10 @@ sharing one ``run_id``; a readable table goes to stdout.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
 import time
-import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +61,9 @@ from hvrep.models import resnet50_variable_shapes
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_jsonl, fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser, warm_up
 from _common import environment as common_environment
-from _common import fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
+from _common import run_id as new_run_id
 
 WAYS = ("fused", "reference")
 QUICK_WARMUP, QUICK_REPEATS = 2, 5
@@ -184,16 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cases.append(case)
 
     load_before = os.getloadavg()
-    for case in cases:
-        if case.error is not None:
-            continue
-        try:
-            for _ in range(args.warmup):
-                case.warmup_ms.append(case.timed_call())
-        except Exception as e:  # one failing case is reported, the others still run
-            case.error = f"{type(e).__name__}: {e}".strip()[:2000]
-            print(f"{case.spec.name} / {case.way} failed in warm-up, skipped:\n"
-                  + "".join(traceback.format_exception_only(e))[-1500:], file=sys.stderr)
+    warm_up(cases, args.warmup, lambda c: f"{c.spec.name} / {c.way}")
 
     by_key = {(c.spec.name, c.way): c for c in cases}
     identical: dict[str, bool | None] = {}
@@ -213,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 case.output = None
     load_after = os.getloadavg()
 
-    run_id = f"{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id()
     config = {
         "repeats": args.repeats,
         "warmup": args.warmup,
@@ -264,10 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": summary,
         })
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    append_jsonl(args.out, records)
     _print_table(records, config, env, args.out)
     return 0
 
