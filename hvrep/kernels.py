@@ -211,8 +211,9 @@ def _choose(use_kernel: bool | None, what: str, devices: Sequence[str], problem:
         problem = "it is being compiled with XLA, and the fused ops have no XLA kernels"
     if problem is None:
         # An unplaced tensor ("") runs where TensorFlow puts it: on a GPU if there is one.
-        wanted = {_device_type(d) if d else ("GPU" if tf.config.list_physical_devices("GPU") else "CPU")
-                  for d in devices}
+        wanted = {_device_type(d) for d in devices if d}
+        if not all(devices):
+            wanted.add("GPU" if tf.config.list_physical_devices("GPU") else "CPU")
         missing = sorted(wanted - set(st.devices))
         if missing:
             problem = f"the fused kernels are not loaded for {', '.join(missing)} ({st.reason or 'not built'})"

@@ -107,7 +107,7 @@ def cuda_lib_dir(nvcc: str) -> Path:
     return Path(os.path.realpath(nvcc)).parent.parent / "lib64"
 
 
-def build_key(tf_version: str, tf_flags: list[str], cxx: str, nvcc: str | None) -> str:
+def build_key(tf_version: str, tf_flags: list[str], cxx_version: str, nvcc_version: str | None) -> str:
     h = hashlib.sha256()
     for p in SOURCES:
         h.update(str(p.relative_to(HERE)).encode())
@@ -115,11 +115,10 @@ def build_key(tf_version: str, tf_flags: list[str], cxx: str, nvcc: str | None) 
     # Include and library paths name this venv; leaving them out lets another
     # clone or venv with the same TensorFlow reuse the build.
     flags = [f for f in tf_flags if not f.startswith(("-I", "-L"))]
-    for part in (tf_version, " ".join(flags), _version([cxx, "--version"]) or cxx,
-                 _version([nvcc, "--version"], -1) if nvcc else "no-nvcc", platform.machine(),
+    for part in (tf_version, " ".join(flags), cxx_version, nvcc_version or "no-nvcc", platform.machine(),
                  " ".join(CXXFLAGS + TF_CXXFLAGS + NVCCFLAGS)):
         h.update(b"\0" + str(part).encode())
-    return f"tf{tf_version}-{'cuda' if nvcc else 'cpu'}-{h.hexdigest()[:16]}"
+    return f"tf{tf_version}-{'cuda' if nvcc_version else 'cpu'}-{h.hexdigest()[:16]}"
 
 
 class _Builder:
@@ -232,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     tf_version, tf_flags = _tf_flags()
-    key = build_key(tf_version, tf_flags[0] + tf_flags[1], cxx, nvcc)
+    cxx_version = _version([cxx, "--version"])
+    nvcc_version = (_version([nvcc, "--version"], -1) or nvcc) if nvcc else None
+    key = build_key(tf_version, tf_flags[0] + tf_flags[1], cxx_version or cxx, nvcc_version)
     cached = env.cache_dir() / "kernels" / key
     if args.force or not (cached / "build.json").exists():
         if shutil.which(cxx) is None and not Path(cxx).exists():
@@ -246,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             record = build(work, tf_flags=tf_flags, cxx=cxx, nvcc=nvcc, log=work / "build.log",
                            no_cuda_reason="--no-cuda was given" if args.no_cuda else
                            "nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-        record.update(key=key, tensorflow=tf_version, compiler=_version([cxx, "--version"]),
-                      nvcc=_version([nvcc, "--version"], -1) if nvcc else None,
+        record.update(key=key, tensorflow=tf_version, compiler=cxx_version, nvcc=nvcc_version,
                       built_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
         if work is not None:
             for name in ("cpu.o", *(f"{n}.cu.o" for n in CUDA_SOURCES)):
