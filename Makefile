@@ -59,7 +59,7 @@ demo: setup
 	rm -rf $(DEMO_RUN) $(DEMO_RUN)-1rank
 	$(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)-1rank train.epochs=3
 	$(BIN)/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)
-	$(BIN)/python -m hvrep.summary $(DEMO_RUN) $(DEMO_RUN)-1rank
+	$(BIN)/python -m hvrep.perf.summary $(DEMO_RUN) $(DEMO_RUN)-1rank
 	$(BIN)/hvrep report $(DEMO_RUN)-1rank $(DEMO_RUN) --out $(DEMO_RUN)-report
 
 lint: setup

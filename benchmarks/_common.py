@@ -50,7 +50,7 @@ def environment() -> dict[str, Any]:
     import keras
     import tensorflow as tf
 
-    from hvrep import doctor
+    from hvrep.cluster import doctor
 
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return {

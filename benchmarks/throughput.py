@@ -10,7 +10,7 @@ installed hvrep); this script is its entry point in benchmarks/.
 
 import sys
 
-from hvrep.bench import main
+from hvrep.perf.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(["throughput", *sys.argv[1:]]))

@@ -14,7 +14,7 @@ from typing import Any
 from hvrep import compat as _compat
 from hvrep import errors
 from hvrep._version import __version__
-from hvrep.placement import Placement, resolve_placement
+from hvrep.replica.placement import Placement, resolve_placement
 
 # GPU (NCCL) builds of Horovod need the stream shim loaded before
 # horovod.tensorflow; doing it here lets users `import hvrep` and then import
@@ -23,14 +23,14 @@ _compat.load_runtime_shim()
 
 # name -> (module, attribute; None: the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "CommConfig": ("hvrep.config", "CommConfig"),
-    "InputContext": ("hvrep.backends.base", "InputContext"),
-    "Replicator": ("hvrep.replicator", "Replicator"),
-    "all_gather": ("hvrep.collectives", "all_gather"),
-    "all_reduce": ("hvrep.collectives", "all_reduce"),
-    "broadcast": ("hvrep.collectives", "broadcast"),
-    "num_replicas": ("hvrep.collectives", "num_replicas"),
-    "replica_id": ("hvrep.collectives", "replica_id"),
+    "CommConfig": ("hvrep.replica.comm", "CommConfig"),
+    "InputContext": ("hvrep.replica.backends.base", "InputContext"),
+    "Replicator": ("hvrep.replica.api", "Replicator"),
+    "all_gather": ("hvrep.replica.collectives", "all_gather"),
+    "all_reduce": ("hvrep.replica.collectives", "all_reduce"),
+    "broadcast": ("hvrep.replica.collectives", "broadcast"),
+    "num_replicas": ("hvrep.replica.collectives", "num_replicas"),
+    "replica_id": ("hvrep.replica.collectives", "replica_id"),
     "kernels": ("hvrep.kernels", None),
     "layers": ("hvrep.layers", None),
     "models": ("hvrep.models", None),

@@ -17,7 +17,7 @@ from hvrep.errors import HvrepError
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from hvrep import doctor
+    from hvrep.cluster import doctor
 
     required = [r.strip() for r in args.require.split(",") if r.strip()] if args.require else []
     info = doctor.collect(with_tensorflow=not args.quick)
@@ -55,7 +55,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from hvrep import launch
+    from hvrep.cluster import launch
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else None
@@ -71,7 +71,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from hvrep.launch import BINDINGS, LAUNCHERS
+    from hvrep.cluster.launch import BINDINGS, LAUNCHERS
 
     parser = argparse.ArgumentParser(prog="hvrep", description="Replicated TensorFlow training on Horovod.")
     parser.add_argument("--version", action="version", version=f"hvrep {__version__}")
@@ -136,15 +136,15 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # the training app has its own flags and overrides
-        from hvrep.train import main as train_main
+        from hvrep.train.main import main as train_main
 
         return train_main(argv[1:])
     if argv[:1] == ["bench"]:
-        from hvrep.bench import main as bench_main
+        from hvrep.perf.bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["report"]:
-        from hvrep.report import main as report_main
+        from hvrep.perf.report import main as report_main
 
         return report_main(argv[1:])
     args = _build_parser().parse_args(argv)

@@ -7,8 +7,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hvrep import collectives
-from hvrep.backends.base import active_backend
+from hvrep.replica import collectives
+from hvrep.replica.backends.base import active_backend
 
 
 class CrossReplicaBatchNorm(keras.layers.BatchNormalization):

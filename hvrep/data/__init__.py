@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvrep.backends.base import InputContext
 from hvrep.data.config import PAD_LABEL, DataConfig
 from hvrep.data.demo import write_demo
 from hvrep.data.prepare import prepare
 from hvrep.data.tfdata import synthetic_dataset, tfdata_dataset
+from hvrep.replica.backends.base import InputContext
 
 
 def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,

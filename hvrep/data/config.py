@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hvrep.backends.base import InputContext
 from hvrep.errors import ConfigError
+from hvrep.replica.backends.base import InputContext
 
 FORMATS = ("folder", "tfrecord")
 BACKENDS = ("tfdata", "dali")

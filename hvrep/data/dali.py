@@ -71,11 +71,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.backends.base import InputContext
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import list_folder, list_shards
 from hvrep.data.prepare import check_jpeg
 from hvrep.errors import ConfigError, DataError, SetupError
+from hvrep.replica.backends.base import InputContext
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.backends.base import InputContext
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import ShardListing, list_folder, list_shards
 from hvrep.errors import ConfigError
+from hvrep.replica.backends.base import InputContext
 
 AUTOTUNE = tf.data.AUTOTUNE
 

@@ -34,7 +34,7 @@ def test_every_public_name_resolves_and_unknown_names_say_so():
     for name in hvrep.__all__:
         assert getattr(hvrep, name) is not None, name
     assert set(hvrep.__all__) <= set(dir(hvrep))
-    from hvrep.replicator import Replicator
+    from hvrep.replica.api import Replicator
 
     assert hvrep.Replicator is Replicator
     with pytest.raises(AttributeError, match="no attribute 'Replicatr'"):

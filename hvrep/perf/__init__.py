@@ -1,0 +1,1 @@
+"""Performance tooling: benchmarks, run summaries, the α-β scaling model, reports (``hvrep bench``, ``report``)."""

@@ -1,0 +1,1 @@
+"""The replica layer: the Replicator, its collectives, communication settings and the backends that run them."""

@@ -1,0 +1,135 @@
+"""The replica API: write the step for one replica, run it on every replica.
+
+    repl = hvrep.Replicator()                       # horovod | tpu | local | auto
+    with repl.scope():
+        model, optimizer = ...
+    for batch in repl.distribute_dataset(input_fn, global_batch_size=256):
+        out = repl.run(step_fn, args=(batch,))
+        loss = repl.reduce(out["loss"], "mean")
+
+Inside ``step_fn`` the module-level collectives (``hvrep.all_reduce`` ...)
+act on the live Replicator: one per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from hvrep.errors import CollectiveError, ConfigError
+from hvrep.replica import backends
+from hvrep.replica.backends.base import Backend, InputContext, active_backend, check_op
+from hvrep.replica.comm import CommConfig
+
+
+def live_backend() -> Backend:
+    """The backend of the Replicator whose ``run`` is executing."""
+    backend = active_backend()
+    if backend is None:
+        raise CollectiveError(
+            "hvrep collectives run inside a replica step only. Fix: call them from the function you pass to "
+            "`repl.run(step_fn, args=...)`; outside it, use `repl.reduce(value, op)`."
+        )
+    return backend
+
+
+class Replicator:
+    """Runs one replica's step on every replica.
+
+    Args:
+      backend: "horovod" (one process per replica under mpirun/horovodrun/srun),
+        "tpu", "local" (this machine's devices, in-graph) or "auto" (horovod when
+        launched with more than one rank, tpu when a TPU is attached, else local).
+      config: communication settings; default ``CommConfig()``.
+
+    Several Replicators may exist in one process (e.g. with different
+    configs); the collectives act on the one whose ``run`` is executing.
+
+    Raises:
+      hvrep.errors.ConfigError: unknown backend or a config of the wrong type.
+    """
+
+    def __init__(self, backend: str = "auto", *, config: CommConfig | None = None) -> None:
+        if config is not None and not isinstance(config, CommConfig):
+            raise ConfigError(f"config must be an hvrep.CommConfig, got {type(config).__name__}.")
+        self.config = config or CommConfig()
+        self._backend = backends.create(backend, self.config)
+
+    @property
+    def backend(self) -> str:
+        """The backend's name ("horovod", "tpu" or "local")."""
+        return self._backend.name
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in the job (world size)."""
+        return self._backend.num_replicas
+
+    @property
+    def is_chief(self) -> bool:
+        """True in exactly one process: the one that writes checkpoints and logs."""
+        return self._backend.is_chief
+
+    @property
+    def collective_calls(self) -> int:
+        """Collective ops created so far: counted when a step is traced (not per execution), over the
+        replicas this process traces (one on horovod, every replica on in-graph backends)."""
+        return self._backend.collective_calls
+
+    def close(self) -> None:
+        """Kept for symmetry with context-managed resources; a Replicator holds nothing to release.
+
+        (Horovod stays initialised for the process, as Horovod requires.)
+        """
+
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """Variables created inside start identical on every replica (broadcast from the chief)."""
+        return self._backend.scope()
+
+    def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
+                           global_batch_size: int | None = None) -> Any:
+        """Builds each replica's dataset with ``input_fn(ctx)``; iterate it to get ``run``'s inputs.
+
+        Args:
+          input_fn: returns the per-replica ``tf.data.Dataset`` (batched at
+            ``ctx.per_replica_batch_size``) for ``ctx.replica_id``.
+          global_batch_size: if given, must divide by ``num_replicas``; sets
+            ``ctx.per_replica_batch_size``.
+        """
+        return self._backend.distribute_dataset(input_fn, global_batch_size)
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Runs ``fn(*args, **kwargs)`` on every replica, compiled once with ``tf.function``.
+
+        Returns:
+          Per-replica outputs: tensors on horovod (this process's replica),
+          ``PerReplica`` values on in-graph backends. Pass them to :meth:`reduce`.
+        """
+        return self._backend.run(fn, tuple(args), dict(kwargs or {}))
+
+    def reduce(self, value: Any, op: str) -> Any:
+        """Reduces per-replica values (a nest) to host NumPy values, the same on every process.
+
+        ``op``: "sum", "mean", "max" or "min"; integer "mean" floors.
+        """
+        return self._backend.reduce(value, check_op(op))
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first.
+
+        With ``CommConfig.accumulation_steps`` k > 1 it accumulates k micro-batches
+        locally before one all-reduce and update (horovod backend only).
+        """
+        from hvrep.replica.wrap import CrossReplicaOptimizer
+
+        k = self.config.accumulation_steps
+        if k > 1 and self.backend != "horovod":
+            raise ConfigError(
+                f"accumulation_steps={k} needs the horovod backend; on {self.backend!r} the collectives cannot "
+                "sit inside the conditional update of a tf.distribute replica context. Fix: accumulation_steps=1, "
+                "or a k-times larger per-replica batch."
+            )
+        return CrossReplicaOptimizer(optimizer, k)

@@ -1,0 +1,40 @@
+"""Backend registry: one backend per process, chosen once at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+from hvrep.errors import ConfigError
+from hvrep.replica.backends.base import Backend, InputContext
+from hvrep.replica.comm import CommConfig
+
+BACKENDS = ("horovod", "tpu", "local")
+_log = logging.getLogger("hvrep")
+
+
+def _class(name: str) -> type[Backend]:
+    # Imported lazily: the horovod backend imports Horovod, the tpu backend probes for a TPU.
+    if name == "horovod":
+        from hvrep.replica.backends.horovod import HorovodBackend
+
+        return HorovodBackend
+    if name == "tpu":
+        from hvrep.replica.backends.tpu import TPUBackend
+
+        return TPUBackend
+    from hvrep.replica.backends.local import LocalBackend
+
+    return LocalBackend
+
+
+def create(name: str, config: CommConfig) -> Backend:
+    """Creates the backend ``name``; "auto" tries horovod (> 1 rank), tpu, then local."""
+    if name not in (*BACKENDS, "auto"):
+        raise ConfigError(f"backend must be one of {(*BACKENDS, 'auto')}, got {name!r}.")
+    if name == "auto":
+        name = next(n for n in BACKENDS if _class(n).available())
+        _log.info("hvrep: backend 'auto' chose %r", name)
+    return _class(name)(config)
+
+
+__all__ = ["BACKENDS", "Backend", "InputContext", "create"]

@@ -1,0 +1,286 @@
+"""One process per replica, over Horovod's core ops only.
+
+Horovod's Keras helpers (DistributedGradientTape, broadcast_variables,
+horovod.tensorflow.keras) fail on Keras 3 variables ("'Variable' object has
+no attribute 'ref'", horovod#4290), so this backend uses allreduce,
+allgather and broadcast and does the rest itself: fusion, compression,
+variable broadcast and the first-step signature check.
+
+Horovod's ops cannot be XLA-compiled on the CPU: ``run`` compiles the step
+with ``tf.function`` (no ``jit_compile``); a step that wants XLA for its
+compute puts that part in its own ``tf.function(jit_compile=True)`` and keeps
+the collectives outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hvrep import _env, compat
+from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError, SetupError
+from hvrep.replica import fusion
+from hvrep.replica.backends.base import Backend, InputContext, check_op, per_replica_batch
+from hvrep.replica.comm import CommConfig
+from hvrep.replica.placement import resolve_placement
+
+
+def gpu_for(local_rank: int, num_gpus: int) -> int | None:
+    """The GPU a replica uses: its local rank (wrapping when ranks outnumber GPUs), or None without GPUs."""
+    return local_rank % num_gpus if num_gpus else None
+
+
+def bind_gpu(local_rank: int) -> None:
+    """Makes this process see one GPU, number ``local_rank``, as Horovod's examples do.
+
+    Must run before TensorFlow initialises its GPUs (``Replicator`` calls it at
+    construction). Memory growth on, so ranks sharing a node do not each grab
+    all of a GPU's memory at start-up.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    index = gpu_for(local_rank, len(gpus))
+    if index is None:
+        return
+    try:
+        tf.config.set_visible_devices(gpus[index], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[index], True)
+    except RuntimeError as e:  # GPUs already initialised
+        raise SetupError(
+            f"cannot bind this rank to GPU {index}: TensorFlow already initialised its GPUs ({e}). Fix: create "
+            "hvrep.Replicator before running any TensorFlow op."
+        ) from e
+
+
+@contextlib.contextmanager
+def _capture_variables() -> Iterator[list[tf.Variable]]:
+    """Collects every tf.Variable created inside (Keras 3 variables wrap one)."""
+    created: list[tf.Variable] = []
+
+    def creator(next_creator: Any, **kwargs: Any) -> tf.Variable:
+        v = next_creator(**kwargs)
+        created.append(v)
+        return v
+
+    with tf.variable_creator_scope(creator):
+        yield created
+
+
+class HorovodBackend(Backend):
+    name = "horovod"
+
+    def __init__(self, config: CommConfig) -> None:
+        super().__init__(config)
+        _env.set_horovod_knobs(config.fusion_threshold_bytes, config.cycle_time_ms)
+        self.hvd = compat.import_horovod()
+        self.hvd.init()
+        bind_gpu(int(self.hvd.local_rank()))
+        self._scope_vars: dict[int, tf.Variable] = {}
+        self._functions: dict[Any, tuple[Any, Any]] = {}
+        self._signature: list[str] | None = None
+        self._eager_names = 0
+        if config.compression == "bf16":
+            raise CollectiveError(
+                "compression='bf16': Horovod cannot reduce bfloat16 tensors. Fix: use compression='fp16' "
+                "(half the bytes, works on every backend) or 'none', or the local/tpu backend for bf16."
+            )
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            return resolve_placement().size > 1 and compat.import_horovod() is not None
+        except Exception:
+            return False
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.hvd.size())
+
+    @property
+    def is_chief(self) -> bool:
+        return int(self.hvd.rank()) == 0
+
+    def _name(self, kind: str) -> str:
+        # Eager Horovod ops need names that match across ranks: every rank
+        # makes the same eager calls in the same order.
+        self._eager_names += 1
+        return f"hvrep.{kind}.{self._eager_names}"
+
+    # --- scope: variables start identical -------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        with _capture_variables() as created:
+            yield
+        for v in created:
+            self._scope_vars[id(v)] = v
+        self._broadcast_variables(created)
+
+    def _broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
+        """Overwrites ``variables`` with the chief's values: one broadcast per dtype."""
+        by_dtype: dict[tf.DType, list[tf.Variable]] = {}
+        for v in variables:
+            by_dtype.setdefault(v.dtype.base_dtype, []).append(v)
+        for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
+            flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in vs], axis=0)
+            if dtype == tf.bfloat16:  # Horovod has no bf16; broadcasting bits is exact
+                flat = tf.bitcast(flat, tf.int16)
+            out = self.hvd.broadcast(flat, root_rank=0, name=self._name(f"scope_{dtype.name}"))
+            if dtype == tf.bfloat16:
+                out = tf.bitcast(out, tf.bfloat16)
+            sizes = [int(v.shape.num_elements()) for v in vs]
+            for v, piece in zip(vs, tf.split(out, sizes) if len(vs) > 1 else [out], strict=True):
+                v.assign(tf.reshape(piece, v.shape))
+
+    # --- data -----------------------------------------------------------------------------
+
+    def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
+                           global_batch_size: int | None) -> tf.data.Dataset:
+        ctx = InputContext(int(self.hvd.rank()), self.num_replicas,
+                           per_replica_batch(global_batch_size, self.num_replicas))
+        return input_fn(ctx)
+
+    # --- run ------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        key = fn
+        if key not in self._functions:
+            self._functions[key] = (tf.function(fn, reduce_retracing=True), None)
+        tf_fn, checked = self._functions[key]
+        with self.replica_section():
+            if checked is None:
+                self._first_call_checks(tf_fn, args, kwargs)
+                self._functions[key] = (tf_fn, True)
+            return tf_fn(*args, **kwargs)
+
+    def _first_call_checks(self, tf_fn: Any, args: tuple, kwargs: dict) -> None:
+        """Traces without running, then checks scope and collective signatures."""
+        self._signature = []
+        with _capture_variables() as created:
+            concrete = tf_fn.get_concrete_function(*args, **kwargs)
+        signature, self._signature = self._signature, None
+        made_here = {id(v) for v in created}
+        if self.num_replicas > 1 and self._scope_vars:
+            outside = [v for v in concrete.variables
+                       if v.trainable and id(v) not in self._scope_vars and id(v) not in made_here]
+            if outside:
+                names = ", ".join(sorted(v.name for v in outside)[:5])
+                raise ScopeError(
+                    f"{len(outside)} trainable variable(s) used by the step were created outside "
+                    f"Replicator.scope() and would start different on each replica: {names}. Fix: create "
+                    "the model and optimizer inside `with repl.scope():`."
+                )
+        if self.config.check_first_step and self.num_replicas > 1:
+            self._compare_signatures(signature)
+
+    def _compare_signatures(self, signature: list[str]) -> None:
+        text = "\n".join(signature)
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        digests = self.hvd.allgather(tf.constant([digest], tf.int64), name=self._name("sig")).numpy()
+        if len(set(digests.tolist())) == 1:
+            return
+        blob = np.frombuffer(text.encode(), np.uint8)
+        lengths = self.hvd.allgather(tf.constant([len(blob)], tf.int64), name=self._name("siglen")).numpy()
+        data = self.hvd.allgather(tf.constant(blob), name=self._name("sigdata")).numpy().tobytes()
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        per_rank = [data[offsets[r]:offsets[r + 1]].decode().split("\n") for r in range(len(lengths))]
+        mine = int(self.hvd.rank())
+        for r, sig in enumerate(per_rank):
+            if sig == per_rank[0]:
+                continue
+            pairs = enumerate(zip(per_rank[0], sig, strict=False))
+            n = next((i for i, (a, b) in pairs if a != b), min(len(sig), len(per_rank[0])))
+            a = per_rank[0][n] if n < len(per_rank[0]) else "(nothing)"
+            b = sig[n] if n < len(sig) else "(nothing)"
+            raise ReplicaMismatchError(
+                f"replicas issue different collectives in the step (seen on rank {mine}): collective #{n + 1} "
+                f"is {a} on rank 0 but {b} on rank {r}. Horovod would hang. Fix: make every replica call the "
+                "same collectives with the same shapes and dtypes (pad or mask uneven batches)."
+            )
+
+    def _record(self, kind: str, tensors: Sequence[tf.Tensor], detail: str = "") -> None:
+        if self._signature is not None:
+            desc = ",".join(f"{t.dtype.name}{t.shape.as_list()}" for t in tensors)
+            self._signature.append(f"{kind}({detail}){desc}")
+
+    # --- collectives ----------------------------------------------------------------------
+
+    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
+        check_op(op)
+        self._record("all_reduce", tensors, op)
+        hvd, n = self.hvd, self.num_replicas
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        floats = [i for i, t in enumerate(tensors) if t.dtype.is_floating]
+        others = [i for i in range(len(tensors)) if i not in set(floats)]
+        if floats and op in ("sum", "mean"):
+            wire = {"none": None, "fp16": tf.float16}[self.config.compression]
+
+            def reduce_buffer(buf: tf.Tensor) -> tf.Tensor:
+                self.collective_calls += 1
+                if buf.dtype == tf.bfloat16:  # Horovod has no bf16 reduction: fp32 on the wire
+                    return tf.cast(hvd.allreduce(tf.cast(buf, tf.float32), op=hvd.Sum), tf.bfloat16)
+                return hvd.allreduce(buf, op=hvd.Sum)
+
+            reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
+                                          self.config.fusion_threshold_bytes, self.config.num_groups,
+                                          wire_dtype=wire, prescale=1.0 / n if op == "mean" else None)
+            for i, r in zip(floats, reduced, strict=True):
+                out[i] = r
+        else:
+            others = list(range(len(tensors)))
+        hop = {"sum": hvd.Sum, "mean": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
+        for i in others:
+            t = tensors[i]
+            self.collective_calls += 1
+            wire_t = tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
+            r = hvd.allreduce(wire_t, op=hop)
+            if op == "mean":
+                # Integer mean keeps the dtype: floor division, documented.
+                r = r // n if t.dtype.is_integer else r / tf.cast(n, r.dtype)
+            out[i] = tf.cast(r, t.dtype)
+        return out  # type: ignore[return-value]
+
+    def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor:
+        self._record("all_gather", [x], str(axis))
+        self.collective_calls += 1
+        rank = x.shape.rank
+        if rank == 0:
+            raise CollectiveError("all_gather needs a tensor of rank >= 1; got a scalar. Fix: x[None].")
+        axis = axis % rank
+        perm = [axis, *[i for i in range(rank) if i != axis]]
+        moved = tf.transpose(x, perm) if axis else x
+        wire = tf.bitcast(moved, tf.int16) if x.dtype == tf.bfloat16 else moved
+        gathered = self.hvd.allgather(wire)
+        if x.dtype == tf.bfloat16:
+            gathered = tf.bitcast(gathered, tf.bfloat16)
+        return tf.transpose(gathered, np.argsort(perm)) if axis else gathered
+
+    def broadcast(self, x: tf.Tensor, root: int) -> tf.Tensor:
+        self._record("broadcast", [x], str(root))
+        self.collective_calls += 1
+        if not 0 <= root < self.num_replicas:
+            raise CollectiveError(f"broadcast root={root} is not a replica id in [0, {self.num_replicas}).")
+        wire = tf.bitcast(x, tf.int16) if x.dtype == tf.bfloat16 else x
+        out = self.hvd.broadcast(wire, root_rank=root)
+        return tf.bitcast(out, tf.bfloat16) if x.dtype == tf.bfloat16 else out
+
+    def replica_id(self) -> tf.Tensor:
+        return tf.constant(int(self.hvd.rank()), tf.int32)
+
+    def reduce(self, value: Any, op: str) -> Any:
+        check_op(op)
+
+        def one(v: Any) -> Any:
+            t = tf.convert_to_tensor(v)
+            hop = {"sum": self.hvd.Sum, "mean": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
+            wire = tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
+            r = self.hvd.allreduce(wire, op=hop, name=self._name("reduce"))
+            if op == "mean":
+                r = r // self.num_replicas if t.dtype.is_integer else r / tf.cast(self.num_replicas, r.dtype)
+            return tf.cast(r, t.dtype).numpy()
+
+        return tf.nest.map_structure(lambda v: None if v is None else one(v), value)

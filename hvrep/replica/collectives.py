@@ -1,0 +1,54 @@
+"""Cross-replica collectives for use inside ``Replicator.run``; they act on the live Replicator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from hvrep.replica.api import live_backend
+from hvrep.replica.backends.base import check_op
+
+
+def all_reduce(value: Any, op: str) -> Any:
+    """Reduces a nest of tensors across replicas; every replica gets the result.
+
+    Args:
+      value: a tensor or nested structure of tensors (``None`` leaves pass through,
+        as gradients of unused variables do).
+      op: "sum", "mean", "max" or "min". Integer "mean" keeps the integer dtype
+        (floor division).
+
+    Floating-point sum/mean go through fused buffers (``CommConfig``'s fusion
+    threshold and compression); other cases issue one collective per tensor.
+    """
+    backend = live_backend()
+    check_op(op)
+    flat = tf.nest.flatten(value)
+    idx = [i for i, v in enumerate(flat) if v is not None]
+    reduced = backend.all_reduce([tf.convert_to_tensor(flat[i]) for i in idx], op)
+    out = list(flat)
+    for i, r in zip(idx, reduced, strict=True):
+        out[i] = r
+    return tf.nest.pack_sequence_as(value, out)
+
+
+def all_gather(x: Any, axis: int = 0) -> tf.Tensor:
+    """Concatenates every replica's ``x`` along ``axis``, in replica order."""
+    return live_backend().all_gather(tf.convert_to_tensor(x), axis)
+
+
+def broadcast(x: Any, root: int = 0) -> Any:
+    """Every replica gets replica ``root``'s value of ``x`` (a tensor or a nest)."""
+    backend = live_backend()
+    return tf.nest.map_structure(lambda t: backend.broadcast(tf.convert_to_tensor(t), root), x)
+
+
+def replica_id() -> tf.Tensor:
+    """This replica's id in [0, num_replicas), as an int32 tensor."""
+    return tf.convert_to_tensor(live_backend().replica_id())
+
+
+def num_replicas() -> int:
+    """The number of replicas (a Python int)."""
+    return live_backend().num_replicas

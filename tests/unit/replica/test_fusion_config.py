@@ -1,0 +1,83 @@
+"""Bucketing of tensors into fusion buffers, and CommConfig validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hvrep import CommConfig
+from hvrep.errors import ConfigError
+from hvrep.replica import fusion
+
+
+def test_buckets_fill_up_to_the_threshold_in_order():
+    # 4 tensors of 40 bytes, limit 100: [0, 1], [2, 3].
+    assert fusion.plan_buckets([40] * 4, ["f"] * 4, 100) == [[0, 1], [2, 3]]
+
+
+def test_a_tensor_above_the_threshold_gets_its_own_bucket():
+    assert fusion.plan_buckets([10, 500, 10], ["f"] * 3, 100) == [[0], [1], [2]]
+
+
+def test_threshold_zero_means_one_tensor_per_bucket():
+    assert fusion.plan_buckets([1, 2, 3], ["f"] * 3, 0) == [[0], [1], [2]]
+
+
+def test_buckets_never_mix_dtypes():
+    buckets = fusion.plan_buckets([4, 2, 4, 2], ["f32", "f16", "f32", "f16"], 1 << 20)
+    assert buckets == [[0, 2], [1, 3]]
+
+
+def test_num_groups_splits_bytes_evenly():
+    buckets = fusion.plan_buckets([10] * 9, ["f"] * 9, 0, num_groups=3)
+    assert buckets == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert sorted(i for b in fusion.plan_buckets([5, 50, 5, 5], ["f"] * 4, 0, 2) for i in b) == [0, 1, 2, 3]
+
+
+def test_fused_reduce_restores_shapes_and_dtypes_and_counts_calls():
+    calls = []
+
+    def reduce_buffer(buf):
+        calls.append(int(buf.shape[0]))
+        return buf * 2  # a stand-in "sum over two replicas" of identical values
+
+    xs = [tf.reshape(tf.range(6, dtype=tf.float32), (2, 3)), tf.constant([1.0], tf.float32),
+          tf.constant([[0.5]], tf.float16)]
+    out = fusion.fused_reduce(xs, reduce_buffer, threshold=1 << 20)
+    assert sorted(calls) == [1, 7]  # one f32 buffer of 6+1 elements, one f16 buffer
+    for x, o in zip(xs, out, strict=True):
+        assert o.shape == x.shape and o.dtype == x.dtype
+        np.testing.assert_array_equal(o.numpy(), 2 * x.numpy())
+
+
+def test_fused_reduce_casts_to_the_wire_dtype_and_prescales():
+    seen = []
+
+    def reduce_buffer(buf):
+        seen.append(buf.dtype)
+        return buf
+
+    out = fusion.fused_reduce([tf.constant([4.0, 8.0])], reduce_buffer, 0, wire_dtype=tf.float16, prescale=0.5)
+    assert seen == [tf.float16] and out[0].dtype == tf.float32
+    np.testing.assert_array_equal(out[0].numpy(), [2.0, 4.0])
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("fusion_threshold_bytes", -1, "fusion_threshold_bytes must be an int >= 0, got -1"),
+    ("cycle_time_ms", 0, "cycle_time_ms must be > 0, got 0"),
+    ("compression", "int8", "compression must be one of ('none', 'fp16', 'bf16'), got 'int8'"),
+    ("num_groups", -2, "num_groups must be an int >= 0, got -2"),
+])
+def test_comm_config_rejects_bad_values_by_name(field, value, fragment):
+    with pytest.raises(ConfigError) as e:
+        CommConfig(**{field: value})
+    assert fragment in str(e.value)
+
+
+def test_comm_config_defaults_are_horovods():
+    cfg = CommConfig()
+    assert cfg.fusion_threshold_bytes == 128 * 1024 * 1024 and cfg.cycle_time_ms == 1.0
+    with pytest.raises(AttributeError):
+        cfg.compression = "fp16"  # frozen
+

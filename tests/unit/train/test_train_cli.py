@@ -1,0 +1,158 @@
+"""`hvrep train`, run as users run it: the real CLI on the demo data, 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tensorflow as tf
+
+from hvrep.data import write_demo
+from hvrep.train.checkpoint import read_metadata
+
+BIN = Path(sys.executable).parent
+HVREP = str(BIN / "hvrep")
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo-data")
+    write_demo(root)
+    return root / "tfrecord"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def _mpirun(np_: int) -> list[str]:
+    return [str(BIN / "mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
+            "mpi4py", "-m", "hvrep.cli"]
+
+
+def _train(args: list[str], ranks: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = ([*_mpirun(ranks), "train"] if ranks > 1 else [HVREP, "train"]) + args
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def _events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(checkpoint: Path) -> dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(str(checkpoint / "ckpt"))
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map() if k.startswith("model/")}
+
+
+def test_two_ranks_write_metrics_and_a_checkpoint_then_resume(demo_data, tmp_path):
+    out = tmp_path / "run"
+    common = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.log_every=2"]
+    res = _train([*common, "train.max_steps=6"], ranks=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = _events(out)
+    config = events[0]
+    assert config["event"] == "config" and config["replicas"] == 2 and config["backend"] == "horovod"
+    assert config["fast_path"]["input"] == "tfdata" and config["optimizer"] == "LARS"
+    assert config["fast_path"]["kernels"].startswith("fused (CPU"), config["fast_path"]  # LARS took the fused op
+    assert [e["step"] for e in events if e["event"] == "train"] == [2, 4, 6]
+    final = events[-1]
+    assert final["event"] == "final" and final["stopped"] == "max_steps" and final["step"] == 6
+    ckpt = Path(final["checkpoint"])
+    assert ckpt.name == "ckpt-00000006" and read_metadata(ckpt)["position"] == 6
+    assert res.stdout.count("hvrep train: max_steps at step 6") == 1  # only the chief prints
+
+    res = _train([*common, "--resume", "train.max_steps=10"], ranks=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = _events(out)
+    resumed = [e for e in events if e["event"] == "config"][-1]
+    assert resumed["resumed_from"] == str(ckpt)
+    assert [e["step"] for e in events[events.index(resumed):] if e["event"] == "train"] == [8, 10]
+    assert events[-1]["step"] == 10
+
+
+def test_stopped_and_resumed_run_ends_with_the_same_weights(demo_data, tmp_path):
+    # 30 steps cross the epoch boundary (22 steps) and an evaluation; the stop at 12 is mid-epoch.
+    common = ["--config", "demo", f"data.data_dir={demo_data}", "train.epochs=3"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _train([*common, f"output_dir={straight}", "train.max_steps=30"]).returncode == 0
+    assert _train([*common, f"output_dir={split}", "train.max_steps=12"]).returncode == 0
+    res = _train([*common, f"output_dir={split}", "train.max_steps=30", "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = _weights(straight / "checkpoints" / "ckpt-00000030")
+    b = _weights(split / "checkpoints" / "ckpt-00000030")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_cleanly_with_a_checkpoint(demo_data, tmp_path):
+    out = tmp_path / "preempted"
+    cmd = [*_mpirun(2), "train", "--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}",
+           "train.log_every=1", "train.epochs=50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if (out / "metrics.jsonl").is_file() and any(e["event"] == "train" for e in _events(out)):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("training never started")
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "hvrep.cli" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        ranks[-1].send_signal(signal.SIGUSR1)  # one rank only, as mpirun may deliver it
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    final = _events(out)[-1]
+    assert final["stopped"] == "signal" and final["epoch"] < 50
+    assert Path(final["checkpoint"]).name == f"ckpt-{final['step']:08d}"
+    assert "hvrep train: signal at step" in stdout
+
+
+def test_config_typo_names_the_key_and_the_choices(tmp_path):
+    res = _train(["--config", "demo", "train.global_bach=128"])
+    assert res.returncode == 2 and "train has no setting 'global_bach'" in res.stderr and "global_batch" in res.stderr
+    res = _train(["--config", "demo", "train.precision=fp8"])
+    assert res.returncode == 2 and "('fp32', 'fp16', 'bf16')" in res.stderr
+    res = _train(["--config", "nope"])
+    assert res.returncode == 2 and "'nope'" in res.stderr
+
+
+def test_print_config_resolves_presets_and_overrides():
+    res = _train(["--config", "resnet50_imagenet", "--print-config", "train.global_batch=4096",
+                  "comm.compression=fp16"])
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)
+    assert cfg["train"]["global_batch"] == 4096 and cfg["comm"]["compression"] == "fp16"
+    assert cfg["model"]["name"] == "resnet50" and cfg["data"]["backend"] == "dali"
+
+
+@pytest.mark.parametrize("options", [
+    ["train.precision=fp16", "train.jit_compile=true", "data.backend=dali"],
+    ["train.precision=bf16", "comm.compression=fp16", "comm.fusion_threshold_bytes=0"],
+], ids=["fp16-xla-dali", "bf16-fp16compression-unfused"])
+def test_fast_path_options_run_and_are_recorded(demo_data, tmp_path, options):
+    out = tmp_path / "fast"
+    res = _train(["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.max_steps=3",
+                  "train.log_every=1", *options])
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = _events(out)
+    fast = events[0]["fast_path"]
+    for option in options:
+        key, value = option.split("=")
+        field = {"data.backend": "input"}.get(key, key.split(".")[1])
+        assert str(fast[field]).lower() == value, (field, fast)
+    assert all(np.isfinite(e["loss"]) for e in events if e["event"] == "train")
