@@ -1,8 +1,9 @@
 """Every environment variable hvrep reads, named once and read in this module only.
 
 Launcher variables (Open MPI, MPICH/PMI, Slurm) are read into a snapshot by
-:func:`launcher_vars`, which :mod:`hvrep.placement` resolves; nothing else in
-hvrep calls ``os.environ`` for them.
+:func:`launcher_vars`, which :mod:`hvrep.replica.placement` resolves; nothing else in
+hvrep calls ``os.environ`` for them (STYLE.md, principle 3; Horovod keeps its
+variable names as constants in one place too).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``hvrep`` command. The only module in hvrep that parses flags.
+"""The ``hvrep`` command. The only module in hvrep that parses flags (STYLE.md, principle 3).
 
 Subcommands are added by the issues that own them (train, data, launch,
 bench, report); each lives in its module and is wired here.
@@ -109,7 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_data_prepare)
 
     p = sub.add_parser(
-        "launch", help="start N ranks with horovodrun, mpirun or srun, set up right (see hvrep/launch.py)",
+        "launch", help="start N ranks with horovodrun, mpirun or srun, set up right (see hvrep/cluster/launch.py)",
         usage="hvrep launch --np N [options] -- CMD...",
     )
     p.add_argument("--np", type=int, required=True, help="number of ranks")

@@ -1,4 +1,4 @@
-"""Typed errors. Each message names the thing, shows the value and says the fix."""
+"""Typed errors. Each message names the thing, shows the value and says the fix (STYLE.md, principle 6)."""
 
 from __future__ import annotations
 

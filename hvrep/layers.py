@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 
 from hvrep.replica import collectives
-from hvrep.replica.backends.base import active_backend
+from hvrep.replica.context import active_backend
 
 
 class CrossReplicaBatchNorm(keras.layers.BatchNormalization):

@@ -2,7 +2,8 @@
 
 A :class:`LaunchSpec` says what to start; one pure function per launcher turns
 it into an argv (spec and environment in, list of strings out), so every
-choice below is tested without MPI. Only :func:`run` starts processes.
+choice below is tested without MPI. Only :func:`run` starts processes
+(STYLE.md, principle 4).
 
 The choices, and where they come from:
 

@@ -13,7 +13,7 @@ from hvrep.data.config import PAD_LABEL, DataConfig
 from hvrep.data.demo import write_demo
 from hvrep.data.prepare import prepare
 from hvrep.data.tfdata import synthetic_dataset, tfdata_dataset
-from hvrep.replica.backends.base import InputContext
+from hvrep.replica.context import InputContext
 
 
 def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,

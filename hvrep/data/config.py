@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvrep.errors import ConfigError
-from hvrep.replica.backends.base import InputContext
+from hvrep.replica.context import InputContext
 
 FORMATS = ("folder", "tfrecord")
 BACKENDS = ("tfdata", "dali")

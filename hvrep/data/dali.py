@@ -75,7 +75,7 @@ from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import list_folder, list_shards
 from hvrep.data.prepare import check_jpeg
 from hvrep.errors import ConfigError, DataError, SetupError
-from hvrep.replica.backends.base import InputContext
+from hvrep.replica.context import InputContext
 
 log = logging.getLogger(__name__)
 

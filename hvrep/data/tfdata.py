@@ -35,7 +35,7 @@ import tensorflow as tf
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import ShardListing, list_folder, list_shards
 from hvrep.errors import ConfigError
-from hvrep.replica.backends.base import InputContext
+from hvrep.replica.context import InputContext
 
 AUTOTUNE = tf.data.AUTOTUNE
 

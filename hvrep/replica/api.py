@@ -8,7 +8,8 @@
         loss = repl.reduce(out["loss"], "mean")
 
 Inside ``step_fn`` the module-level collectives (``hvrep.all_reduce`` ...)
-act on the live Replicator: one per process.
+act on the live Replicator: one per process. The user writes the inner
+step, the library owns the rest (STYLE.md: Orbit, TF-Replicator).
 """
 
 from __future__ import annotations
@@ -19,21 +20,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.errors import CollectiveError, ConfigError
+from hvrep.errors import ConfigError
 from hvrep.replica import backends
-from hvrep.replica.backends.base import Backend, InputContext, active_backend, check_op
 from hvrep.replica.comm import CommConfig
-
-
-def live_backend() -> Backend:
-    """The backend of the Replicator whose ``run`` is executing."""
-    backend = active_backend()
-    if backend is None:
-        raise CollectiveError(
-            "hvrep collectives run inside a replica step only. Fix: call them from the function you pass to "
-            "`repl.run(step_fn, args=...)`; outside it, use `repl.reduce(value, op)`."
-        )
-    return backend
+from hvrep.replica.context import InputContext, check_op
 
 
 class Replicator:

@@ -6,8 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.replica.api import live_backend
-from hvrep.replica.backends.base import check_op
+from hvrep.replica.context import check_op, live_backend
 
 
 def all_reduce(value: Any, op: str) -> Any:

@@ -1,4 +1,4 @@
-"""Frozen, validated configuration for cross-replica communication."""
+"""Frozen, validated configuration for cross-replica communication (STYLE.md, principle 3: Orbit's options)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ call into contiguous buffers and reduces each buffer once. Buckets follow
 the order the tensors are given in (for gradients, the order the backward
 pass produced them, so the first bucket can start while later gradients are
 still being computed, as in Horovod and PyTorch DDP) and never mix dtypes.
+Each size and order choice is explained where it is made (STYLE.md: PyTorch
+DDP's bucketing).
 """
 
 from __future__ import annotations

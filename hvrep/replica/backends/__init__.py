@@ -1,12 +1,16 @@
-"""Backend registry: one backend per process, chosen once at start-up."""
+"""Backend registry: one backend per process, chosen once at start-up (STYLE.md, principle 2).
+
+One file per backend, each able to say whether it can run here (Horovod's ``common/ops/`` layout).
+"""
 
 from __future__ import annotations
 
 import logging
 
 from hvrep.errors import ConfigError
-from hvrep.replica.backends.base import Backend, InputContext
+from hvrep.replica.backends.base import Backend
 from hvrep.replica.comm import CommConfig
+from hvrep.replica.context import InputContext
 
 BACKENDS = ("horovod", "tpu", "local")
 _log = logging.getLogger("hvrep")

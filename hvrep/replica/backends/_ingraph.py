@@ -25,9 +25,9 @@ from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 from tensorflow.python.distribute import values as tf_values
 
 from hvrep.errors import CollectiveError
-from hvrep.replica import fusion
-from hvrep.replica.backends.base import Backend, InputContext, check_op, per_replica_batch
+from hvrep.replica.backends.base import Backend, mean_from_sum, move_bf16_as_bits
 from hvrep.replica.comm import CommConfig
+from hvrep.replica.context import InputContext, check_op, per_replica_batch
 
 
 class _Marks:
@@ -132,9 +132,9 @@ class InGraphBackend(Backend):
             if op == "sum":
                 return stacked.sum(axis=0).astype(parts[0].dtype)
             if op == "mean":
-                if np.issubdtype(parts[0].dtype, np.integer):
-                    return (stacked.sum(axis=0) // len(parts)).astype(parts[0].dtype)
-                return stacked.astype(np.float64).mean(axis=0).astype(parts[0].dtype)
+                integer = bool(np.issubdtype(parts[0].dtype, np.integer))
+                total = stacked.sum(axis=0) if integer else stacked.astype(np.float64).sum(axis=0)
+                return mean_from_sum(total, len(parts), integer).astype(parts[0].dtype)
             return (stacked.max(axis=0) if op == "max" else stacked.min(axis=0)).astype(parts[0].dtype)
 
         return tf.nest.map_structure(lambda v: None if v is None else one(v), value)
@@ -147,48 +147,26 @@ class InGraphBackend(Backend):
         return ctx
 
     def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
-        check_op(op)
-        ctx, n = self._ctx(), self.num_replicas
-        out: list[tf.Tensor | None] = [None] * len(tensors)
-        floats = [i for i, t in enumerate(tensors) if t.dtype.is_floating] if op in ("sum", "mean") else []
-        if floats:
-            wire = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}[self.config.compression]
-
-            def reduce_buffer(buf: tf.Tensor) -> tf.Tensor:
-                self.collective_calls += 1
-                if buf.dtype == tf.bfloat16:  # the CPU collectives have no bf16 kernels: sum in fp32
-                    return tf.cast(ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(buf, tf.float32)), tf.bfloat16)
-                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, buf)
-
-            reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
-                                          self.config.fusion_threshold_bytes, self.config.num_groups,
-                                          wire_dtype=wire, prescale=1.0 / n if op == "mean" else None)
-            for i, r in zip(floats, reduced, strict=True):
-                out[i] = r
-        for i, t in enumerate(tensors):
-            if out[i] is not None:
-                continue
-            if op in ("max", "min"):
-                stacked = self.all_gather(t[None], axis=0)
-                out[i] = tf.reduce_max(stacked, 0) if op == "max" else tf.reduce_min(stacked, 0)
-                continue
-            self.collective_calls += 1
-            wire_t = tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
-            r = ctx.all_reduce(tf.distribute.ReduceOp.SUM, wire_t)
-            if op == "mean":
-                r = r // n if t.dtype.is_integer else r / tf.cast(n, r.dtype)
-            out[i] = tf.cast(r, t.dtype)
+        out = super().all_reduce(tensors, op)
         for r in out:
-            self._marks.add(r)  # type: ignore[arg-type]
-        return out  # type: ignore[return-value]
+            self._marks.add(r)
+        return out
+
+    def _reduce_tensor(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        if op in ("max", "min"):  # the replica context reduces SUM and MEAN only
+            stacked = self.all_gather(t[None], axis=0)
+            return tf.reduce_max(stacked, 0) if op == "max" else tf.reduce_min(stacked, 0)
+        return super()._reduce_tensor(t, op)
+
+    def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        return self._ctx().all_reduce(tf.distribute.ReduceOp.SUM, t)
 
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor:
         self.collective_calls += 1
         if x.shape.rank == 0:
             raise CollectiveError("all_gather needs a tensor of rank >= 1; got a scalar. Fix: x[None].")
-        if x.dtype == tf.bfloat16:
-            return tf.bitcast(self._ctx().all_gather(tf.bitcast(x, tf.int16), axis=axis), tf.bfloat16)
-        return self._ctx().all_gather(x, axis=axis)
+        ctx = self._ctx()
+        return move_bf16_as_bits(x, lambda w: ctx.all_gather(w, axis=axis))
 
     def broadcast(self, x: tf.Tensor, root: int) -> tf.Tensor:
         if not 0 <= root < self.num_replicas:

@@ -1,66 +1,56 @@
-"""The interface every backend implements, and what they share."""
+"""The interface every backend implements, and what they share.
+
+What is the same on every backend lives here once (STYLE.md, "Each seam is an
+interface first"): the all-reduce of a list of tensors (floating-point
+sum/mean through fused buffers, everything else one collective per tensor),
+the integer floor-mean, and the bfloat16 wrappers (sums travel as float32,
+gathers and broadcasts as int16 bits). A backend supplies one collective on
+one tensor (:meth:`Backend._reduce_wire`) and the gather/broadcast primitives.
+"""
 
 from __future__ import annotations
 
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
 
-from hvrep.errors import CollectiveError
+from hvrep.replica import context, fusion
 from hvrep.replica.comm import CommConfig
+from hvrep.replica.context import InputContext, check_op
 
-OPS = ("sum", "mean", "max", "min")
-
-# The backends whose `run` is executing (innermost last). Collectives act on
-# the innermost one. A plain list, not thread-local: MirroredStrategy runs each
-# replica's function in a thread of its own.
-_ACTIVE: list[Backend] = []
+# CommConfig.compression -> the dtype fused buffers travel in (None: each tensor's own).
+WIRE_DTYPES: dict[str, tf.DType | None] = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
 
 
-def active_backend() -> Backend | None:
-    """The backend whose ``run`` is executing, or None outside any replica step."""
-    return _ACTIVE[-1] if _ACTIVE else None
+def mean_from_sum(total: Any, n: int, integer: bool) -> Any:
+    """A sum over ``n`` replicas divided into their mean; integers floor (documented in ``all_reduce``).
 
-
-@dataclass(frozen=True)
-class InputContext:
-    """What ``input_fn`` needs to build one replica's data.
-
-    Attributes:
-      replica_id: this replica, in [0, num_replicas).
-      num_replicas: replicas in the job.
-      per_replica_batch_size: global batch / num_replicas, or None when
-        ``distribute_dataset`` was not given a global batch size.
+    Works on tensors and NumPy arrays alike.
     """
-
-    replica_id: int
-    num_replicas: int
-    per_replica_batch_size: int | None = None
-
-    def shard(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """This replica's 1/num_replicas of ``dataset`` (every element once overall)."""
-        return dataset.shard(self.num_replicas, self.replica_id)
+    return total // n if integer else total / n
 
 
-def check_op(op: str) -> str:
-    if op not in OPS:
-        raise CollectiveError(f"op must be one of {OPS}, got {op!r}.")
-    return op
+def reduce_bf16_as_f32(t: tf.Tensor, op: str, n: int, collective: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """``collective(t)`` (a sum, max or min over ``n`` replicas), the mean's division if ``op`` is "mean", in t's dtype.
+
+    bfloat16 travels and is divided as float32: neither Horovod nor TF's CPU
+    collectives reduce bfloat16.
+    """
+    wire = tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
+    r = collective(wire)
+    if op == "mean":
+        r = mean_from_sum(r, n, t.dtype.is_integer)
+    return tf.cast(r, t.dtype)
 
 
-def per_replica_batch(global_batch_size: int | None, num_replicas: int) -> int | None:
-    if global_batch_size is None:
-        return None
-    if global_batch_size <= 0 or global_batch_size % num_replicas:
-        raise CollectiveError(
-            f"global_batch_size={global_batch_size} must be a positive multiple of the "
-            f"{num_replicas} replicas; use {max(1, round(global_batch_size / num_replicas)) * num_replicas}."
-        )
-    return global_batch_size // num_replicas
+def move_bf16_as_bits(x: tf.Tensor, collective: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """``collective(x)`` for a gather or broadcast; bfloat16 moves as its int16 bits (exact; Horovod has no bf16)."""
+    if x.dtype == tf.bfloat16:
+        return tf.bitcast(collective(tf.bitcast(x, tf.int16)), tf.bfloat16)
+    return collective(x)
 
 
 class Backend(abc.ABC):
@@ -103,8 +93,42 @@ class Backend(abc.ABC):
     def reduce(self, value: Any, op: str) -> Any: ...
 
     # In-replica collectives, on flat lists (the public functions handle nests).
+    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
+        """Floating-point sum/mean through fused buffers (``CommConfig``); the rest one collective per tensor."""
+        check_op(op)
+        self._on_collective("all_reduce", tensors, op)
+        n = self.num_replicas
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        floats = [i for i, t in enumerate(tensors) if t.dtype.is_floating] if op in ("sum", "mean") else []
+        if floats:
+            def reduce_buffer(buf: tf.Tensor) -> tf.Tensor:
+                self.collective_calls += 1
+                return reduce_bf16_as_f32(buf, "sum", n, lambda w: self._reduce_wire(w, "sum"))
+
+            reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
+                                          self.config.fusion_threshold_bytes, self.config.num_groups,
+                                          wire_dtype=WIRE_DTYPES[self.config.compression],
+                                          prescale=1.0 / n if op == "mean" else None)
+            for i, r in zip(floats, reduced, strict=True):
+                out[i] = r
+        for i, t in enumerate(tensors):
+            if out[i] is None:
+                out[i] = self._reduce_tensor(t, op)
+        return out  # type: ignore[return-value]
+
+    def _reduce_tensor(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        """One tensor reduced on its own (not floating point, or max/min): one collective."""
+        self.collective_calls += 1
+        return reduce_bf16_as_f32(t, op, self.num_replicas, lambda w: self._reduce_wire(w, op))
+
     @abc.abstractmethod
-    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]: ...
+    def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        """One collective: ``t`` (never bfloat16) summed ("sum"/"mean": the division is the caller's), max'd or
+        min'd across replicas."""
+
+    def _on_collective(self, kind: str, tensors: Sequence[tf.Tensor], detail: str = "") -> None:
+        """Called as each collective is traced (the horovod backend records the step's signature)."""
+        return
 
     @abc.abstractmethod
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor: ...
@@ -123,9 +147,8 @@ class Backend(abc.ABC):
     @contextlib.contextmanager
     def replica_section(self) -> Iterator[None]:
         self._run_depth += 1
-        _ACTIVE.append(self)
         try:
-            yield
+            with context.activated(self):
+                yield
         finally:
-            _ACTIVE.pop()
             self._run_depth -= 1

@@ -24,9 +24,9 @@ import tensorflow as tf
 
 from hvrep import _env, compat
 from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError, SetupError
-from hvrep.replica import fusion
-from hvrep.replica.backends.base import Backend, InputContext, check_op, per_replica_batch
+from hvrep.replica.backends.base import Backend, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
+from hvrep.replica.context import InputContext, check_op, per_replica_batch
 from hvrep.replica.placement import resolve_placement
 
 
@@ -127,11 +127,8 @@ class HorovodBackend(Backend):
             by_dtype.setdefault(v.dtype.base_dtype, []).append(v)
         for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
             flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in vs], axis=0)
-            if dtype == tf.bfloat16:  # Horovod has no bf16; broadcasting bits is exact
-                flat = tf.bitcast(flat, tf.int16)
-            out = self.hvd.broadcast(flat, root_rank=0, name=self._name(f"scope_{dtype.name}"))
-            if dtype == tf.bfloat16:
-                out = tf.bitcast(out, tf.bfloat16)
+            name = self._name(f"scope_{dtype.name}")
+            out = move_bf16_as_bits(flat, lambda w, name=name: self.hvd.broadcast(w, root_rank=0, name=name))
             sizes = [int(v.shape.num_elements()) for v in vs]
             for v, piece in zip(vs, tf.split(out, sizes) if len(vs) > 1 else [out], strict=True):
                 v.assign(tf.reshape(piece, v.shape))
@@ -202,50 +199,21 @@ class HorovodBackend(Backend):
                 "same collectives with the same shapes and dtypes (pad or mask uneven batches)."
             )
 
-    def _record(self, kind: str, tensors: Sequence[tf.Tensor], detail: str = "") -> None:
+    def _on_collective(self, kind: str, tensors: Sequence[tf.Tensor], detail: str = "") -> None:
         if self._signature is not None:
             desc = ",".join(f"{t.dtype.name}{t.shape.as_list()}" for t in tensors)
             self._signature.append(f"{kind}({detail}){desc}")
 
     # --- collectives ----------------------------------------------------------------------
 
-    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
-        check_op(op)
-        self._record("all_reduce", tensors, op)
-        hvd, n = self.hvd, self.num_replicas
-        out: list[tf.Tensor | None] = [None] * len(tensors)
-        floats = [i for i, t in enumerate(tensors) if t.dtype.is_floating]
-        others = [i for i in range(len(tensors)) if i not in set(floats)]
-        if floats and op in ("sum", "mean"):
-            wire = {"none": None, "fp16": tf.float16}[self.config.compression]
+    def _hvd_op(self, op: str) -> Any:
+        return {"sum": self.hvd.Sum, "mean": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
 
-            def reduce_buffer(buf: tf.Tensor) -> tf.Tensor:
-                self.collective_calls += 1
-                if buf.dtype == tf.bfloat16:  # Horovod has no bf16 reduction: fp32 on the wire
-                    return tf.cast(hvd.allreduce(tf.cast(buf, tf.float32), op=hvd.Sum), tf.bfloat16)
-                return hvd.allreduce(buf, op=hvd.Sum)
-
-            reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
-                                          self.config.fusion_threshold_bytes, self.config.num_groups,
-                                          wire_dtype=wire, prescale=1.0 / n if op == "mean" else None)
-            for i, r in zip(floats, reduced, strict=True):
-                out[i] = r
-        else:
-            others = list(range(len(tensors)))
-        hop = {"sum": hvd.Sum, "mean": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
-        for i in others:
-            t = tensors[i]
-            self.collective_calls += 1
-            wire_t = tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
-            r = hvd.allreduce(wire_t, op=hop)
-            if op == "mean":
-                # Integer mean keeps the dtype: floor division, documented.
-                r = r // n if t.dtype.is_integer else r / tf.cast(n, r.dtype)
-            out[i] = tf.cast(r, t.dtype)
-        return out  # type: ignore[return-value]
+    def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        return self.hvd.allreduce(t, op=self._hvd_op(op))
 
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor:
-        self._record("all_gather", [x], str(axis))
+        self._on_collective("all_gather", [x], str(axis))
         self.collective_calls += 1
         rank = x.shape.rank
         if rank == 0:
@@ -253,20 +221,15 @@ class HorovodBackend(Backend):
         axis = axis % rank
         perm = [axis, *[i for i in range(rank) if i != axis]]
         moved = tf.transpose(x, perm) if axis else x
-        wire = tf.bitcast(moved, tf.int16) if x.dtype == tf.bfloat16 else moved
-        gathered = self.hvd.allgather(wire)
-        if x.dtype == tf.bfloat16:
-            gathered = tf.bitcast(gathered, tf.bfloat16)
+        gathered = move_bf16_as_bits(moved, self.hvd.allgather)
         return tf.transpose(gathered, np.argsort(perm)) if axis else gathered
 
     def broadcast(self, x: tf.Tensor, root: int) -> tf.Tensor:
-        self._record("broadcast", [x], str(root))
+        self._on_collective("broadcast", [x], str(root))
         self.collective_calls += 1
         if not 0 <= root < self.num_replicas:
             raise CollectiveError(f"broadcast root={root} is not a replica id in [0, {self.num_replicas}).")
-        wire = tf.bitcast(x, tf.int16) if x.dtype == tf.bfloat16 else x
-        out = self.hvd.broadcast(wire, root_rank=root)
-        return tf.bitcast(out, tf.bfloat16) if x.dtype == tf.bfloat16 else out
+        return move_bf16_as_bits(x, lambda w: self.hvd.broadcast(w, root_rank=root))
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(int(self.hvd.rank()), tf.int32)
@@ -274,13 +237,10 @@ class HorovodBackend(Backend):
     def reduce(self, value: Any, op: str) -> Any:
         check_op(op)
 
+        hop = self._hvd_op(op)
+
         def one(v: Any) -> Any:
-            t = tf.convert_to_tensor(v)
-            hop = {"sum": self.hvd.Sum, "mean": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
-            wire = tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
-            r = self.hvd.allreduce(wire, op=hop, name=self._name("reduce"))
-            if op == "mean":
-                r = r // self.num_replicas if t.dtype.is_integer else r / tf.cast(self.num_replicas, r.dtype)
-            return tf.cast(r, t.dtype).numpy()
+            return reduce_bf16_as_f32(tf.convert_to_tensor(v), op, self.num_replicas,
+                                      lambda w: self.hvd.allreduce(w, op=hop, name=self._name("reduce"))).numpy()
 
         return tf.nest.map_structure(lambda v: None if v is None else one(v), value)

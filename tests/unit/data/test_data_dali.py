@@ -24,7 +24,7 @@ from hvrep.data.config import PAD_LABEL
 from hvrep.data.dali import dali_dataset, dali_errors
 from hvrep.data.files import list_folder, list_shards
 from hvrep.errors import ConfigError, DataError
-from hvrep.replica.backends.base import InputContext
+from hvrep.replica.context import InputContext
 
 
 @pytest.fixture(scope="module")

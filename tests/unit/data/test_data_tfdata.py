@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from hvrep.data import DataConfig, make_dataset, prepare, synthetic_dataset
 from hvrep.errors import ConfigError, DataError
-from hvrep.replica.backends.base import InputContext
+from hvrep.replica.context import InputContext
 from tests.data_fixtures import ids_of, write_id_folder
 
 COUNTS = {"train": 203, "val": 97}  # neither divides by 2, 3 or the batch

@@ -1,4 +1,4 @@
-"""Unit tests for hvrep.placement: which launcher wins, and what its variables say.
+"""Unit tests for hvrep.replica.placement: which launcher wins, and what its variables say.
 
 Every test passes an explicit environment; none reads or changes os.environ.
 """

@@ -1,0 +1,95 @@
+"""What a replica knows about itself and its step: the input context, the live backend, op checks.
+
+The lowest module of the replica layer: the data pipelines import
+:class:`InputContext` from here without pulling in any backend, and the
+collectives find the backend whose ``run`` is executing through
+:func:`live_backend` (STYLE.md, "Roles ... computed once in one context object").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from hvrep.errors import CollectiveError
+
+OPS = ("sum", "mean", "max", "min")
+
+# The backends whose `run` is executing (innermost last). Collectives act on
+# the innermost one. A plain list, not thread-local: MirroredStrategy runs each
+# replica's function in a thread of its own. Holds `hvrep.replica.backends.base.Backend`s
+# (typed Any: this module sits below the backends).
+_ACTIVE: list[Any] = []
+
+
+def active_backend() -> Any:
+    """The backend whose ``run`` is executing, or None outside any replica step."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def activated(backend: Any) -> Iterator[None]:
+    """Makes ``backend`` the live one while a replica step runs (``Backend.replica_section``)."""
+    _ACTIVE.append(backend)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def live_backend() -> Any:
+    """The backend of the Replicator whose ``run`` is executing.
+
+    Raises:
+      hvrep.errors.CollectiveError: outside a replica step.
+    """
+    backend = active_backend()
+    if backend is None:
+        raise CollectiveError(
+            "hvrep collectives run inside a replica step only. Fix: call them from the function you pass to "
+            "`repl.run(step_fn, args=...)`; outside it, use `repl.reduce(value, op)`."
+        )
+    return backend
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """What ``input_fn`` needs to build one replica's data.
+
+    Attributes:
+      replica_id: this replica, in [0, num_replicas).
+      num_replicas: replicas in the job.
+      per_replica_batch_size: global batch / num_replicas, or None when
+        ``distribute_dataset`` was not given a global batch size.
+    """
+
+    replica_id: int
+    num_replicas: int
+    per_replica_batch_size: int | None = None
+
+    def shard(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """This replica's 1/num_replicas of ``dataset`` (every element once overall)."""
+        return dataset.shard(self.num_replicas, self.replica_id)
+
+
+def check_op(op: str) -> str:
+    """Returns ``op`` if it is a reduction hvrep knows; raises CollectiveError otherwise."""
+    if op not in OPS:
+        raise CollectiveError(f"op must be one of {OPS}, got {op!r}.")
+    return op
+
+
+def per_replica_batch(global_batch_size: int | None, num_replicas: int) -> int | None:
+    """``global_batch_size / num_replicas``, or None; raises CollectiveError when it does not divide."""
+    if global_batch_size is None:
+        return None
+    if global_batch_size <= 0 or global_batch_size % num_replicas:
+        raise CollectiveError(
+            f"global_batch_size={global_batch_size} must be a positive multiple of the "
+            f"{num_replicas} replicas; use {max(1, round(global_batch_size / num_replicas)) * num_replicas}."
+        )
+    return global_batch_size // num_replicas
