@@ -1,6 +1,6 @@
 """Time ``hvrep.kernels.pack`` / ``unpack`` (fused ops) against their pure-TF references over ResNet-50's gradients.
 
-What the fused all-reduce (``hvrep.fusion``) does around each collective:
+What the fused all-reduce (``hvrep.replica.fusion``) does around each collective:
 pack a bucket of gradients into one rank-1 buffer (scaled, cast to the wire
 dtype), and unpack the reduced buffer back into tensors of the gradients'
 shapes and dtype. Cases, each over the 161 float32 gradient shapes of
@@ -11,7 +11,7 @@ ResNet-50 (25.6 M elements, 102 MB):
   pre-divide case (``CommConfig(compression="fp16")``, a mean over 8 replicas);
 * ``unpack f32->f32``: the float32 buffer back to 161 tensors;
 * ``unpack f16->f32``: the float16 buffer back to float32 tensors (scale 1,
-  as ``hvrep.fusion`` unpacks: the pre-divided sum is already the mean).
+  as ``hvrep.replica.fusion`` unpacks: the pre-divided sum is already the mean).
 
 Each runs two ways inside one ``tf.function``: ``fused`` (``use_kernel=True``:
 the C++ op, or an error, never the reference under the fused name) and

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from hvrep import kernels
 from hvrep.errors import ConfigError, KernelError
+from hvrep.kernels import loader
 from hvrep.models import resnet50_variable_shapes
 from hvrep.optimizers import DEFAULT_EXCLUDE, LARS, MomentumSGD
 
@@ -151,7 +152,7 @@ def test_lars_bad_arguments_are_named():
 
 
 def _raw():
-    module = kernels._load()[0]
+    module = loader._load()[0]
     assert module is not None
     return module
 

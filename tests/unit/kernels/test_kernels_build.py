@@ -52,10 +52,10 @@ def test_setup_compiled_the_cuda_kernels_and_they_link_into_this_tensorflow():
     assert record["cuda"]["built"], record["cuda"].get("reason")
     # The GPU library loads (every symbol resolves) even into CPU-only TensorFlow;
     # hvrep loads it only where TF sees a GPU.
-    code = ("import tensorflow as tf\nfrom hvrep import kernels\n"
+    code = ("import tensorflow as tf\nfrom hvrep import kernels\nfrom hvrep.kernels import loader\n"
             f"tf.load_op_library({str(kernels.LIB_DIR / 'libhvrep_ops.so')!r})\n"
             f"tf.load_op_library({str(kernels.LIB_DIR / 'libhvrep_ops_cuda.so')!r})\n"
-            f"print('loaded', *kernels._cuda_versions(kernels.LIB_DIR / 'libhvrep_ops_cuda.so'))\n")
+            f"print('loaded', *loader._cuda_versions(kernels.LIB_DIR / 'libhvrep_ops_cuda.so'))\n")
     res = _run([sys.executable, "-c", code])
     assert res.returncode == 0 and "loaded" in res.stdout, res.stderr[-2000:]
     # The probe answers without a GPU: the runtime it was linked with, and the driver (0: none here).
