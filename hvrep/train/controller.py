@@ -1,0 +1,145 @@
+"""The outer loop of ``hvrep train`` (Orbit's controller): train N steps, evaluate, checkpoint, check for stop.
+
+The controller owns the cadence (``train.log_every``, ``train.eval_every``,
+``checkpoint.every_steps`` / ``every_epochs``, ``train.max_steps``, the
+target accuracy and the stop agreement on signals); the runner (``steps.py``)
+owns the compiled steps. Chief-only actions (writing, printing, saving) were
+decided when the writers were built, so nothing here asks for the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from hvrep.data import data_errors, make_dataset
+from hvrep.train.checkpoint import CheckpointManager
+from hvrep.train.config import RunConfig
+from hvrep.train.metrics import MetricsWriter
+from hvrep.train.preemption import stop_on_signals
+from hvrep.train.steps import Runner
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    """The variables a checkpoint carries for the loop: global step, epoch, position (steps) in the epoch."""
+
+    step: tf.Variable
+    epoch: tf.Variable
+    position: tf.Variable
+
+    def metadata(self, epoch: int | None = None, position: int | None = None) -> dict[str, int]:
+        return {"epoch": int(self.epoch.numpy()) if epoch is None else epoch,
+                "position": int(self.position.numpy()) if position is None else position}
+
+
+class Controller:
+    """Runs the epochs of one training run.
+
+    Args:
+      cfg: the run's configuration.
+      runner: the compiled steps.
+      state: step, epoch and position variables (restored when resuming).
+      checkpoints: saves (chief) and keeps the last ``checkpoint.keep``.
+      metrics: metrics.jsonl, TensorBoard and console (chief).
+      epochs, steps_per_epoch: the run's length.
+      val_images: images in the validation split (for the accuracy's denominator).
+    """
+
+    def __init__(self, cfg: RunConfig, runner: Runner, state: LoopState, checkpoints: CheckpointManager,
+                 metrics: MetricsWriter, *, epochs: int, steps_per_epoch: int, val_images: int) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.state = state
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.val_images = val_images
+
+    def run(self) -> dict[str, Any]:
+        """Trains until the last epoch, ``max_steps``, the target accuracy or a signal.
+
+        Returns:
+          {"stopped": "completed" | "max_steps" | "target_accuracy" | "signal",
+          "time_to_accuracy_sec"?, "top1", "top5", "images_per_sec" (per-epoch rates), "wall_sec"}.
+        """
+        cfg, state, epochs = self.cfg, self.state, self.epochs
+        repl = self.runner.repl
+        n, gb = repl.num_replicas, cfg.train.global_batch
+        start_time = time.time()
+        summary: dict[str, Any] = {"stopped": "completed"}
+        top1 = top5 = float("nan")
+        images_per_sec: list[float] = []
+        with stop_on_signals() as stop:
+            epoch = int(state.epoch.numpy())
+            while epoch < epochs:
+                position = int(state.position.numpy())
+                epoch_cfg = dataclasses.replace(cfg.data, seed=cfg.data.seed + cfg.train.seed * 1000 + epoch)
+
+                def train_input(ctx: Any, epoch_cfg: Any = epoch_cfg, position: int = position) -> Any:
+                    # Resuming mid-epoch skips the batches already trained on: the same data in the same order.
+                    return make_dataset(epoch_cfg, "train", ctx).skip(position)
+
+                bar = self.metrics.progress(self.steps_per_epoch, position, f"epoch {epoch + 1}/{epochs}")
+                t0, steps_done, loss_sum, correct_sum = time.perf_counter(), 0, 0.0, 0
+                with data_errors(epoch_cfg, "train"):
+                    for x, y in repl.distribute_dataset(train_input, global_batch_size=gb):
+                        loss, correct = self.runner.train(x, y)
+                        state.step.assign_add(1)
+                        state.position.assign_add(1)
+                        steps_done += 1
+                        step = int(state.step.numpy())
+                        # Agree on stopping: a signal may have reached only some ranks.
+                        flags = repl.reduce({"stop": tf.constant(int(stop.requested)), "loss": loss,
+                                             "correct": correct}, "sum")
+                        loss_sum += float(flags["loss"]) / n
+                        correct_sum += int(flags["correct"])
+                        elapsed = time.perf_counter() - t0
+                        ips = steps_done * gb / max(elapsed, 1e-9)
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss_sum / steps_done:.3f}", img_s=f"{ips:,.0f}")
+                        if step % cfg.train.log_every == 0:
+                            lr = float(tf.convert_to_tensor(self.runner.optimizer.learning_rate))
+                            self.metrics.write("train", step, epoch=epoch, loss=loss_sum / steps_done, lr=lr,
+                                               images_per_sec=ips, train_top1=correct_sum / (steps_done * gb))
+                        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                            self.checkpoints.save(step, metadata=state.metadata(epoch=epoch))
+                        if int(flags["stop"]) > 0:
+                            summary["stopped"] = "signal"
+                            break
+                        if cfg.train.max_steps and step >= cfg.train.max_steps:
+                            summary["stopped"] = "max_steps"
+                            break
+                bar.close()
+                elapsed = time.perf_counter() - t0
+                if steps_done:
+                    images_per_sec.append(steps_done * gb / elapsed)
+                if summary["stopped"] in ("signal", "max_steps"):
+                    break
+                epoch += 1
+                state.epoch.assign(epoch)
+                state.position.assign(0)
+                line = {"epoch": epoch, "loss": loss_sum / max(steps_done, 1), "images_per_sec": images_per_sec[-1],
+                        "train_top1": correct_sum / max(steps_done * gb, 1)}
+                if epoch % cfg.train.eval_every == 0 or epoch == epochs:
+                    top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n)
+                    line.update(top1=top1, top5=top5)
+                self.metrics.write("epoch", int(state.step.numpy()), **line)
+                acc = f"  val top-1 {top1:.4f} top-5 {top5:.4f}" if "top1" in line else ""
+                self.metrics.say(f"epoch {epoch}/{epochs}  loss {line['loss']:.4f}  "
+                                 f"{line['images_per_sec']:,.0f} images/s{acc}")
+                if epoch % cfg.checkpoint.every_epochs == 0 or epoch == epochs:
+                    self.checkpoints.save(int(state.step.numpy()), metadata={"epoch": epoch, "position": 0})
+                target = cfg.train.target_accuracy
+                if target is not None and "top1" in line and top1 >= target:
+                    summary["stopped"] = "target_accuracy"
+                    summary["time_to_accuracy_sec"] = time.time() - start_time
+                    break
+            if summary["stopped"] in ("signal", "max_steps"):
+                self.checkpoints.save(int(state.step.numpy()), metadata=state.metadata())
+        summary.update(top1=top1, top5=top5, images_per_sec=images_per_sec, wall_sec=time.time() - start_time)
+        return summary

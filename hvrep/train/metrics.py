@@ -1,0 +1,62 @@
+"""What a training run tells the world: metrics.jsonl, TensorBoard, console lines and the progress bar.
+
+Chief-only output is decided once, here, when the run starts (jaxline's
+``is_chief`` assembled at start-up, STYLE.md): every other rank gets writers
+that do nothing, so the loop never asks which rank it is.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """metrics.jsonl, TensorBoard scalars and console lines; a no-op on every rank but the chief."""
+
+    def __init__(self, output_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if enabled:
+            import tensorflow as tf
+
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(output_dir / "metrics.jsonl", "a")
+            self._tb = tf.summary.create_file_writer(str(output_dir / "tensorboard"))
+
+    def write(self, event: str, step: int | None = None, **values: Any) -> None:
+        """Appends one record ``{"event", "time", "step"?, **values}``; numbers also go to TensorBoard at ``step``."""
+        if not self.enabled or self._file is None:
+            return
+        record = {"event": event, "time": time.time(), **({"step": step} if step is not None else {}), **values}
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+        if self._tb is not None and step is not None:
+            import tensorflow as tf
+
+            with self._tb.as_default(step=step):
+                for k, v in values.items():
+                    if isinstance(v, int | float) and not isinstance(v, bool):
+                        tf.summary.scalar(f"{event}/{k}", v)
+
+    def say(self, line: str) -> None:
+        """Prints ``line`` to stdout on the chief."""
+        if self.enabled:
+            print(line, flush=True)
+
+    def progress(self, total: int, initial: int, desc: str) -> Any:
+        """A tqdm bar on stderr, shown on the chief only."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not self.enabled,
+                    file=sys.stderr, leave=False)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.flush()

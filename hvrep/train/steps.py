@@ -1,0 +1,80 @@
+"""The compiled steps of ``hvrep train`` (Orbit's runner): one training step and exact global evaluation.
+
+The controller (``controller.py``) decides when each runs; this module only
+says what a step is. The step is written for one replica and run on every
+replica by ``Replicator.run``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+import hvrep
+from hvrep.data import DataConfig, data_errors, make_dataset
+
+
+class Runner:
+    """A model's training step (forward, backward, all-reduce, update) and its evaluation.
+
+    Args:
+      repl: the Replicator that runs the steps.
+      model, optimizer: built inside ``repl.scope()``; the optimizer is a
+        ``keras.optimizers.LossScaleOptimizer`` when ``fp16``.
+      num_classes: logits per example; labels are class ids, -1 for padding rows.
+      label_smoothing: of the categorical cross-entropy.
+      fp16: scale the loss (the optimizer is a LossScaleOptimizer).
+      jit_compile: XLA-compile the forward and backward pass (never the collectives).
+    """
+
+    def __init__(self, repl: hvrep.Replicator, model: keras.Model, optimizer: Any, *, num_classes: int,
+                 label_smoothing: float, fp16: bool, jit_compile: bool) -> None:
+        self.repl = repl
+        self.model = model
+        self.optimizer = optimizer
+        self.num_classes = num_classes
+        self._loss_fn = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=label_smoothing)
+        self._fp16 = fp16
+        # XLA compiles the compute; Horovod's collectives stay outside it (no XLA CPU kernels).
+        self._compute = tf.function(self._forward_backward, jit_compile=True) if jit_compile \
+            else self._forward_backward
+
+    def _forward_backward(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor]:
+        with tf.GradientTape() as tape:
+            logits = tf.cast(self.model(x, training=True), tf.float32)
+            loss = self._loss_fn(tf.one_hot(y, self.num_classes), logits)
+            scaled = self.optimizer.scale_loss(loss) if self._fp16 else loss
+        grads = tape.gradient(scaled, self.model.trainable_variables)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), tf.int32))
+        return loss, grads, correct
+
+    def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        loss, grads, correct = self._compute(x, y)
+        grads = hvrep.all_reduce(grads, "mean")
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+        return loss, correct
+
+    def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        logits = tf.cast(self.model(x, training=False), tf.float32)
+        valid = y >= 0  # padding rows: every image counts exactly once over the replicas
+        top1 = tf.logical_and(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), valid)
+        top5 = tf.logical_and(tf.reduce_any(tf.equal(tf.math.top_k(logits, min(5, self.num_classes)).indices,
+                                                     y[:, None]), -1), valid)
+        return tf.stack([tf.reduce_sum(tf.cast(top1, tf.int64)), tf.reduce_sum(tf.cast(top5, tf.int64))])
+
+    def train(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """One step on every replica; returns per-replica (loss, correct predictions)."""
+        return self.repl.run(self._train_step, args=(x, y))
+
+    def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int) -> tuple[float, float]:
+        """Top-1 and top-5 accuracy over the whole validation split, every image counted once."""
+        totals = [0, 0]
+        with data_errors(data, "val"):
+            for x, y in self.repl.distribute_dataset(
+                    lambda ctx: make_dataset(data, "val", ctx, batch_size=per_replica_batch)):
+                counts = self.repl.reduce(self.repl.run(self._eval_step, args=(x, y)), "sum")
+                totals[0] += int(counts[0])
+                totals[1] += int(counts[1])
+        return totals[0] / val_images, totals[1] / val_images
