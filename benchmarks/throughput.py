@@ -4,7 +4,7 @@
     mpirun -np 2 python -m mpi4py benchmarks/throughput.py --out results/throughput.jsonl
     hvrep bench scaling --ranks 1,2        # the sweep, launched for you; then `hvrep report`
 
-The measurement lives in ``hvrep.bench`` (so ``hvrep bench`` works from an
+The measurement lives in ``hvrep.perf.bench`` (so ``hvrep bench`` works from an
 installed hvrep); this script is its entry point in benchmarks/.
 """
 
