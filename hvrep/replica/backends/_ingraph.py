@@ -1,16 +1,30 @@
 """What the in-graph backends (local, tpu) share: replicas inside one TF program.
 
-The double-reduction problem: inside a ``tf.distribute`` replica context,
-Keras 3's TensorFlow optimizer sums the gradients across replicas itself
-(``keras/src/backend/tensorflow/optimizer.py``, ``_all_reduce_sum_gradients``).
-A step written for hvrep already all-reduces them (``hvrep.all_reduce(grads,
-"mean")``), so on these backends the update would see N times the mean.
-hvrep marks the tensors its all_reduce returns, and the strategies built here
-return a marked value unchanged when asked to SUM it again: every replica
-already holds the reduced value. So the same user step gives the same result
-on every backend, and a step that does not all-reduce (plain Keras style)
-still gets Keras' sum. This uses TF's internal ``MirroredExtended`` (pinned
-TF 2.21); the fidelity test catches a TF change that breaks it.
+Each gradient is reduced exactly once per step. Inside a ``tf.distribute``
+replica context, Keras 3's TensorFlow optimizer sums the gradients across
+replicas itself (``keras/src/backend/tensorflow/optimizer.py``,
+``_all_reduce_sum_gradients``), after clipping and loss-scale unscaling have
+made new tensors. A step written for hvrep has already reduced them
+(``hvrep.all_reduce(grads, "mean")`` or ``repl.wrap_optimizer``), so the
+strategies built here skip Keras' SUM for a value that is *derived only from
+hvrep-reduced tensors* (:class:`_Marks`): hvrep marks what its all_reduce
+returns, and a value computed from marked tensors, constants and variable
+reads (clipping, unscaling, weight decay) holds the same number on every
+replica. A value that depends on anything per-replica (the step's inputs,
+stateful random ops) is summed as before, so a plain-Keras step that never
+calls hvrep keeps Keras' own sum, and Keras' other collectives (synchronized
+BatchNormalization's statistics) are untouched.
+
+Inside ``Replicator.run`` the strategy reports ``num_replicas_in_sync == 1``
+(:class:`_OneReplicaView`): the step is one replica's step, so a
+``keras.losses.Loss`` object or ``tf.nn.compute_average_loss`` averages over
+the replica's own batch, as on the horovod backend, instead of dividing by N
+for Keras' later sum. Outside ``run`` (``model.fit`` under ``repl.scope()``)
+it reports the true count and Keras' convention holds.
+
+Both hooks use TF's internal strategy-extended classes (pinned TF 2.21) on
+hvrep's own subclasses; Keras is not patched. The fidelity suite (clipping,
+loss scaling, Loss objects, wrap_optimizer) catches a TF change that breaks them.
 """
 
 from __future__ import annotations
@@ -25,13 +39,21 @@ from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 from tensorflow.python.distribute import values as tf_values
 
 from hvrep.errors import CollectiveError
-from hvrep.replica.backends.base import Backend, mean_from_sum, move_bf16_as_bits
+from hvrep.replica.backends.base import Backend, FunctionCache, mean_from_sum, move_bf16_as_bits
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
 
+# Ops whose output is the same on every replica whatever their inputs' history.
+_REPLICA_INVARIANT_LEAVES = frozenset({"Const", "ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
+# Ops whose output differs per replica even from replica-invariant inputs.
+_PER_REPLICA_PREFIXES = ("Random", "Stateful", "Iterator", "MultiDeviceIterator", "OptionalGetValue",
+                         "Multinomial", "TruncatedNormal", "ParameterizedTruncatedNormal", "Rng",
+                         "AnonymousIterator", "AnonymousMultiDeviceIterator")
+_PER_REPLICA_EXCEPTIONS = frozenset({"StatefulPartitionedCall"})
+
 
 class _Marks:
-    """Tensors that already hold a cross-replica reduction (by identity)."""
+    """Tensors hvrep's all_reduce returned, and the test "is this value derived only from them"."""
 
     def __init__(self) -> None:
         self._refs: set[Any] = set()
@@ -40,34 +62,125 @@ class _Marks:
         self._refs.add(t.ref())
 
     def has(self, value: Any) -> bool:
+        """True if every replica's part of ``value`` is an hvrep-reduced value or computed only from such values,
+        constants and variable reads (so it already holds the all-replica result)."""
+        if not self._refs:
+            return False
         parts = value.values if isinstance(value, tf_values.DistributedValues) else (value,)
-        return all(isinstance(p, tf.Tensor) and p.ref() in self._refs for p in parts)
+        return all(self._derived_from_marks(p) for p in parts)
+
+    def _derived_from_marks(self, t: Any) -> bool:
+        if not isinstance(t, tf.Tensor) or not hasattr(t, "graph") or tf.executing_eagerly():
+            return False
+        if t.ref() in self._refs:
+            return True
+        captures: dict[int, dict[Any, Any]] = {}
+        seen: set[Any] = set()
+        stack = [t]
+        saw_mark = False
+        while stack:
+            x = stack.pop()
+            if x.ref() in seen:
+                continue
+            seen.add(x.ref())
+            if x.ref() in self._refs:
+                saw_mark = True
+                continue
+            if not hasattr(x, "op"):  # an eager tensor captured from outside: a constant
+                continue
+            op = x.op
+            if op.type in _REPLICA_INVARIANT_LEAVES:
+                continue
+            if op.type == "Placeholder":
+                # A function graph's input: a capture resolves to its outer tensor; an argument is per replica.
+                graph = x.graph
+                if id(graph) not in captures:
+                    captures[id(graph)] = {inner.ref(): outer for outer, inner in getattr(graph, "captures", ())}
+                outer = captures[id(graph)].get(x.ref())
+                if outer is None:
+                    return False
+                stack.append(outer)
+                continue
+            if op.type.startswith(_PER_REPLICA_PREFIXES) and op.type not in _PER_REPLICA_EXCEPTIONS:
+                return False
+            if not op.inputs:
+                return False  # a source op not known to be replica-invariant
+            stack.extend(op.inputs)
+        return saw_mark
 
 
-class _MarkingMirroredExtended(mirrored_strategy.MirroredExtended):
-    def __init__(self, container_strategy: Any, devices: Sequence[str], marks: _Marks) -> None:
-        super().__init__(container_strategy, devices=devices,
-                         cross_device_ops=tf.distribute.ReductionToOneDevice())
-        self._hvrep_marks = marks
+class _MarkingExtendedMixin:
+    """A strategy-extended whose SUM of a value :class:`_Marks` recognises returns that value unchanged."""
+
+    _hvrep_marks: _Marks
 
     def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any, options: Any) -> Any:
         pairs = list(value_destination_pairs)
+        parent = super()._batch_reduce_to  # type: ignore[misc]
         if reduce_op != tf.distribute.ReduceOp.SUM:
-            return super()._batch_reduce_to(reduce_op, pairs, options)
+            return parent(reduce_op, pairs, options)
         marked = [self._hvrep_marks.has(v) for v, _ in pairs]
         if not any(marked):
-            return super()._batch_reduce_to(reduce_op, pairs, options)
-        rest = iter(super()._batch_reduce_to(reduce_op, [p for p, m in zip(pairs, marked, strict=True) if not m],
-                                             options) if not all(marked) else [])
+            return parent(reduce_op, pairs, options)
+        rest = iter(parent(reduce_op, [p for p, m in zip(pairs, marked, strict=True) if not m], options)
+                    if not all(marked) else [])
         # A marked value is already the all-replica result on every replica.
         return [v if m else next(rest) for (v, _), m in zip(pairs, marked, strict=True)]
 
+    def _replica_ctx_all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
+        # The path without merge_call (MirroredStrategy under XLA on GPUs): one replica's tensors.
+        parent = super()._replica_ctx_all_reduce  # type: ignore[misc]
+        if reduce_op != tf.distribute.ReduceOp.SUM:
+            return parent(reduce_op, value, options)
+        flat = tf.nest.flatten(value)
+        marked = [self._hvrep_marks.has(v) for v in flat]
+        if not any(marked):
+            return parent(reduce_op, value, options)
+        rest = iter(parent(reduce_op, [v for v, m in zip(flat, marked, strict=True) if not m], options)
+                    if not all(marked) else [])
+        return tf.nest.pack_sequence_as(value, [v if m else next(rest) for v, m in zip(flat, marked, strict=True)])
 
-class MarkingMirroredStrategy(tf.distribute.MirroredStrategy):
+
+class _MarkingMirroredExtended(_MarkingExtendedMixin, mirrored_strategy.MirroredExtended):
+    pass
+
+
+class _OneReplicaView:
+    """``num_replicas_in_sync`` is 1 while hvrep runs a user's step (see the module docstring).
+
+    TF's own machinery reads ``extended._num_replicas_in_sync``, which stays true.
+    """
+
+    _hvrep_in_step = 0
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        if self._hvrep_in_step:
+            return 1
+        return int(self.extended._num_replicas_in_sync)  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def one_replica_view(self) -> Iterator[None]:
+        self._hvrep_in_step += 1
+        try:
+            yield
+        finally:
+            self._hvrep_in_step -= 1
+
+
+class MarkingMirroredStrategy(_OneReplicaView, tf.distribute.MirroredStrategy):
     """MirroredStrategy whose SUM of an hvrep-reduced value is that value."""
 
     def __init__(self, devices: Sequence[str], marks: _Marks) -> None:
-        distribute_lib.Strategy.__init__(self, _MarkingMirroredExtended(self, devices, marks))
+        extended = _MarkingMirroredExtended(self, devices=devices,
+                                            cross_device_ops=tf.distribute.ReductionToOneDevice())
+        extended._hvrep_marks = marks
+        distribute_lib.Strategy.__init__(self, extended)
+
+
+def true_replica_count(strategy: tf.distribute.Strategy) -> int:
+    """The strategy's replica count, also inside a step where the one-replica view reports 1."""
+    return int(strategy.extended._num_replicas_in_sync)
 
 
 class _DistributedData:
@@ -90,11 +203,11 @@ class InGraphBackend(Backend):
         super().__init__(config)
         self.strategy = strategy
         self._marks = marks
-        self._functions: dict[Any, Any] = {}
+        self._functions = FunctionCache()
 
     @property
     def num_replicas(self) -> int:
-        return int(self.strategy.num_replicas_in_sync)
+        return true_replica_count(self.strategy)
 
     @property
     def is_chief(self) -> bool:
@@ -110,15 +223,19 @@ class InGraphBackend(Backend):
                                                 for i in range(self.num_replicas)])
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if fn not in self._functions:
-            strategy = self.strategy
+        strategy = self.strategy
 
+        def compile_fn(fn: Callable[..., Any]) -> Any:
             def replicated(*a: Any, **k: Any) -> Any:
-                return strategy.run(fn, args=a, kwargs=k)
+                view = getattr(strategy, "one_replica_view", contextlib.nullcontext)
+                with view():
+                    return strategy.run(fn, args=a, kwargs=k)
 
-            self._functions[fn] = tf.function(replicated, reduce_retracing=True)
+            return tf.function(replicated, reduce_retracing=True)
+
+        compiled = self._functions.entry(fn, compile_fn)[1]
         with self.replica_section():
-            return self._functions[fn](*args, **kwargs)
+            return compiled(*args, **kwargs)
 
     def _local(self, value: Any) -> list[np.ndarray]:
         return [np.asarray(v) for v in self.strategy.experimental_local_results(value)]

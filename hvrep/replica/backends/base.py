@@ -11,7 +11,9 @@ one tensor (:meth:`Backend._reduce_wire`) and the gather/broadcast primitives.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,6 +53,66 @@ def move_bf16_as_bits(x: tf.Tensor, collective: Callable[[tf.Tensor], tf.Tensor]
     if x.dtype == tf.bfloat16:
         return tf.bitcast(collective(tf.bitcast(x, tf.int16)), tf.bfloat16)
     return collective(x)
+
+
+_log = logging.getLogger("hvrep")
+
+
+def function_key(fn: Callable[..., Any]) -> Any:
+    """What decides the step ``run`` compiles: the code and what it closes over, not the function object.
+
+    A fresh ``lambda x: step(x, model)`` each iteration has the same code and
+    the same closure contents, so it reuses the compiled step instead of
+    retracing (and growing the cache) every time; a lambda over a different
+    value gets its own.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        inner, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
+        if inner is not None and hasattr(inner, "__code__"):  # a bound method: one per (function, instance)
+            return ("method", function_key(inner), id(owner))
+        return ("object", id(fn))
+
+    def content(cell: Any) -> int | None:
+        try:
+            return id(cell.cell_contents)
+        except ValueError:  # an empty cell
+            return None
+
+    defaults = (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
+    return ("code", code, tuple(content(c) for c in fn.__closure__ or ()), tuple(map(id, defaults)),
+            id(fn.__globals__))
+
+
+class FunctionCache:
+    """The compiled steps of ``run``, keyed by :func:`function_key`, at most ``size`` of them (least recently
+    used dropped). An entry keeps its function alive, so the ids in its key cannot be reused while it is cached."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self.compiled = 0
+        self._entries: collections.OrderedDict[Any, list[Any]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, fn: Callable[..., Any], compile_fn: Callable[[Callable[..., Any]], Any]) -> list[Any]:
+        """``[fn, compiled, state]`` for ``fn``; ``compile_fn(fn)`` builds ``compiled`` on a miss (state None)."""
+        key = function_key(fn)
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+            return found
+        found = [fn, compile_fn(fn), None]
+        self._entries[key] = found
+        self.compiled += 1
+        if len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        if self.compiled == self.size + 1:
+            _log.warning("hvrep: run() has compiled %d different step functions; each one is traced anew. Pass "
+                         "the same function every step (not a new one that closes over new objects).",
+                         self.compiled)
+        return found
 
 
 class Backend(abc.ABC):

@@ -1,23 +1,39 @@
 """Replicas on a TPU's cores (tf.distribute.TPUStrategy).
 
 Built to TensorFlow's TPU API; no TPU was available to run it (see README).
-It shares all collective code with the local backend (``_ingraph.py``); the
-double-reduction guard is not wired into TPUStrategy, so on TPU use
-``repl.wrap_optimizer`` or a step that leaves the summation to Keras.
+It shares all collective code with the local backend (``_ingraph.py``),
+including the reduce-exactly-once guard (:class:`MarkingTPUStrategy`) and
+the one-replica view inside ``run``; those are tested on MirroredStrategy,
+which goes through the same mixins.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.distribute import tpu_strategy
 
 from hvrep import _env
 from hvrep.errors import SetupError
-from hvrep.replica.backends._ingraph import InGraphBackend, _Marks
+from hvrep.replica.backends._ingraph import InGraphBackend, _MarkingExtendedMixin, _Marks, _OneReplicaView
 from hvrep.replica.comm import CommConfig
 
 
 def _resolver() -> tf.distribute.cluster_resolver.TPUClusterResolver:
     return tf.distribute.cluster_resolver.TPUClusterResolver(tpu=_env.tpu_name())
+
+
+class _MarkingTPUExtended(_MarkingExtendedMixin, tpu_strategy.TPUExtended):
+    pass
+
+
+class MarkingTPUStrategy(_OneReplicaView, tf.distribute.TPUStrategy):
+    """TPUStrategy whose SUM of an hvrep-reduced value is that value (see ``_ingraph``)."""
+
+    def __init__(self, resolver: tf.distribute.cluster_resolver.TPUClusterResolver, marks: _Marks) -> None:
+        super().__init__(resolver)
+        # TPUStrategy builds its own TPUExtended; this makes that same object hvrep's subclass of it.
+        self.extended.__class__ = _MarkingTPUExtended
+        self.extended._hvrep_marks = marks
 
 
 class TPUBackend(InGraphBackend):
@@ -31,7 +47,8 @@ class TPUBackend(InGraphBackend):
         except (ValueError, RuntimeError, tf.errors.NotFoundError) as e:
             raise SetupError(f"backend='tpu' but no TPU was found ({e}). Fix: run on a TPU VM, or use "
                              "backend='auto'.") from e
-        super().__init__(config, tf.distribute.TPUStrategy(resolver), _Marks())
+        marks = _Marks()
+        super().__init__(config, MarkingTPUStrategy(resolver, marks), marks)
 
     @classmethod
     def available(cls) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -22,12 +23,51 @@ def test_local_backend_has_two_replicas(repl):
     assert repl.backend == "local" and repl.num_replicas == 2 and repl.is_chief
 
 
-@pytest.mark.parametrize("kind", ["sgd", "momentum", "lars"])
+@pytest.mark.parametrize("kind,loss", [(k, "function") for k in fidelity.KINDS]
+                         + [("sgd", "object"), ("loss_scale", "object"), ("clipnorm", "object")])
 @pytest.mark.parametrize("wrap", [False, True], ids=["all_reduce", "wrap_optimizer"])
-def test_two_replicas_equal_one_replica_with_twice_the_batch(repl, kind, wrap):
-    got = fidelity.replicated(repl, kind, wrap=wrap)
-    want = fidelity.reference(kind, repl.num_replicas)
+def test_two_replicas_equal_one_replica_with_twice_the_batch(repl, kind, loss, wrap):
+    # Each gradient reduced exactly once: Keras' own cross-replica SUM (after clipping or
+    # unscaling made new tensors) must not add a second reduction; every device's copy checked.
+    copies: list = []
+    got = fidelity.replicated(repl, kind, wrap=wrap, loss=loss, copies=copies)
+    want = fidelity.reference(kind, repl.num_replicas, loss=loss)
     assert fidelity.max_difference(got, want) <= 1e-5
+    assert all(len(parts) == 2 for parts in copies)
+    for replica in range(2):
+        assert fidelity.max_difference([parts[replica] for parts in copies], want) <= 1e-5, replica
+
+
+def test_a_loss_object_inside_run_averages_over_the_replicas_own_batch(repl):
+    # Keras divides a Loss object's value by num_replicas_in_sync for its own later SUM;
+    # inside run the step is one replica's step, so the logged loss is the true mean.
+    losses: list = []
+    fidelity.replicated(repl, "sgd", loss="object", losses=losses)
+    np.testing.assert_allclose(losses, fidelity.reference_losses(2, loss="object"), rtol=1e-5)
+
+
+def test_a_plain_keras_step_keeps_keras_own_sum_and_sync_batchnorm_is_untouched(repl):
+    # No hvrep collective in the step: Keras' optimizer sums the replicas' gradients.
+    # Replica r's gradient of sum(w * x_r) is x_r = r + 1: SGD(0.1) moves w by -0.1 * (1 + 2).
+    with repl.scope():
+        w = tf.Variable(0.0)
+        opt = keras.optimizers.SGD(0.1)
+        bn = keras.layers.BatchNormalization(synchronized=True, momentum=0.0)
+        bn.build((None, 1))
+
+    def step():
+        x = tf.cast(hvrep.replica_id(), tf.float32) + 1.0
+        with tf.GradientTape() as tape:
+            loss = w * x
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+        bn(tf.reshape(x, [1, 1]), training=True)  # cross-replica mean of {1, 2}
+        return loss
+
+    repl.run(step)
+    for part in repl._backend.strategy.experimental_local_results(w):  # a tf.Variable
+        np.testing.assert_allclose(part.numpy(), -0.3, rtol=1e-6)
+    for part in repl._backend.strategy.experimental_local_results(bn.moving_mean.value):
+        np.testing.assert_allclose(part.numpy(), [1.5], rtol=1e-6)
 
 
 def test_collectives_outside_run_are_refused(repl):
@@ -164,3 +204,28 @@ def test_cross_replica_batchnorm_with_a_mask_equals_masked_batchnorm_on_the_conc
     np.testing.assert_allclose(repl.reduce(out, "min"), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(crbn.moving_mean.numpy(), bn.moving_mean.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(crbn.moving_variance.numpy(), bn.moving_variance.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fresh_lambda_each_step_reuses_the_compiled_step(repl):
+    traces = []
+    v = tf.constant([1.0, 2.0])
+
+    def step(x):
+        traces.append(1)  # runs once per trace
+        return hvrep.all_reduce(x * 2.0, "sum")
+
+    for _ in range(20):
+        out = repl.run(lambda: step(v))  # a new function object every iteration
+    assert len(traces) == 2, len(traces)  # one trace per replica, once
+    assert len(repl._backend._functions) == 1
+    np.testing.assert_allclose(repl.reduce(out, "mean"), [4.0, 8.0])
+    # A lambda over a different value is a different step.
+    got = [float(repl.reduce(repl.run(lambda i=i: tf.constant(float(i))), "sum")) for i in range(3)]
+    assert got == [0.0, 2.0, 4.0], got
+
+
+def test_the_compiled_step_cache_is_bounded(repl):
+    cache = repl._backend._functions
+    for i in range(cache.size + 5):
+        repl.run(lambda i=i: tf.constant(float(i)))
+    assert len(cache) == cache.size
