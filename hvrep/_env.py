@@ -130,14 +130,18 @@ def compiler_include_dirs() -> list[Path]:
     return dirs
 
 
-def set_horovod_knobs(fusion_threshold_bytes: int, cycle_time_ms: float) -> None:
-    """Hands CommConfig's values to Horovod, which reads them at ``hvd.init()``.
+def set_horovod_knobs(fusion_threshold_bytes: int | None, cycle_time_ms: float | None) -> dict[str, str | None]:
+    """Hands CommConfig's Horovod settings to Horovod, which reads them at ``hvd.init()``.
 
-    A value the user exported wins: it is how Horovod users tune a job without
-    touching code, and hvrep should not silently override it.
+    None leaves a setting alone. A value the user exported wins: it is how
+    Horovod users tune a job without touching code, and hvrep should not
+    silently override it. Returns the values Horovod will read (None: its default).
     """
-    os.environ.setdefault(HOROVOD_FUSION_THRESHOLD, str(fusion_threshold_bytes))
-    os.environ.setdefault(HOROVOD_CYCLE_TIME, str(cycle_time_ms))
+    if fusion_threshold_bytes is not None:
+        os.environ.setdefault(HOROVOD_FUSION_THRESHOLD, str(fusion_threshold_bytes))
+    if cycle_time_ms is not None:
+        os.environ.setdefault(HOROVOD_CYCLE_TIME, str(cycle_time_ms))
+    return {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME)}
 
 
 def tpu_name() -> str:

@@ -20,10 +20,16 @@ class CommConfig:
         them) and issues one collective per buffer. 0 turns fusion off (one
         collective per tensor). Default: Horovod's own default, 128 MiB
         (``horovod/common/operations.cc``), which fits all of ResNet-50's
-        fp32 gradients (102 MB) in one buffer. Also passed to Horovod as
-        ``HOROVOD_FUSION_THRESHOLD``.
+        fp32 gradients (102 MB) in one buffer. hvrep's buckets only: Horovod's
+        own fusion buffer is ``horovod_fusion_threshold_bytes``.
+      horovod_fusion_threshold_bytes: Horovod's process-wide
+        ``HOROVOD_FUSION_THRESHOLD`` (its background fusion of the collectives
+        in flight). None (default): hvrep does not set it, so Horovod's stock
+        value, or the one the user exported, holds.
       cycle_time_ms: Horovod's background-thread cycle time
-        (``HOROVOD_CYCLE_TIME``). Default: Horovod's, 1 ms.
+        (``HOROVOD_CYCLE_TIME``). None (default): Horovod's stock value (or the
+        exported one). Horovod reads both once, when it starts: a later
+        Replicator in the same process that asks for other values is refused.
       compression: "none", "fp16" or "bf16": the dtype floating-point
         buffers travel in. fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
@@ -41,7 +47,8 @@ class CommConfig:
     """
 
     fusion_threshold_bytes: int = 128 * 1024 * 1024
-    cycle_time_ms: float = 1.0
+    horovod_fusion_threshold_bytes: int | None = None
+    cycle_time_ms: float | None = None
     compression: str = "none"
     num_groups: int = 0
     accumulation_steps: int = 1
@@ -53,8 +60,11 @@ class CommConfig:
                 f"fusion_threshold_bytes must be an int >= 0, got {self.fusion_threshold_bytes!r}; "
                 "0 turns fusion off."
             )
-        if not self.cycle_time_ms > 0:
-            raise ConfigError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms!r}.")
+        hft = self.horovod_fusion_threshold_bytes
+        if hft is not None and (not isinstance(hft, int) or hft < 0):
+            raise ConfigError(f"horovod_fusion_threshold_bytes must be None or an int >= 0, got {hft!r}.")
+        if self.cycle_time_ms is not None and not self.cycle_time_ms > 0:
+            raise ConfigError(f"cycle_time_ms must be None or > 0, got {self.cycle_time_ms!r}.")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
         if not isinstance(self.num_groups, int) or self.num_groups < 0:

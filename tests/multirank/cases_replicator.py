@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvrep
-from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError
+from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError
 from tests import fidelity
 
 _repl = None
@@ -49,11 +49,11 @@ def _same_on_all_ranks(weights):
     return r.reduce(tf.reduce_max(tf.abs(out - flat)), "max")
 
 
-def _fidelity(kind, wrap=False):
+def _fidelity(kind, wrap=False, loss="function"):
     r = repl()
     # A different initialisation on each rank: scope() must broadcast rank 0's.
-    got = fidelity.replicated(r, kind, init_seed=fidelity.SEED + 1000 * _rank(), wrap=wrap)
-    want = fidelity.reference(kind, r.num_replicas)
+    got = fidelity.replicated(r, kind, init_seed=fidelity.SEED + 1000 * _rank(), wrap=wrap, loss=loss)
+    want = fidelity.reference(kind, r.num_replicas, loss=loss)
     drift = _same_on_all_ranks(got)
     assert r.num_replicas == 2 and r.backend == "horovod"
     assert fidelity.max_difference(got, want) <= 1e-5, fidelity.max_difference(got, want)
@@ -74,6 +74,17 @@ def case_fidelity_lars():
 
 def case_fidelity_wrap_optimizer():
     _fidelity("momentum", wrap=True)
+
+
+def case_fidelity_clipnorm_global_clipnorm_and_loss_scaling():
+    for kind in ("clipnorm", "global_clipnorm", "loss_scale"):
+        _fidelity(kind)
+        _fidelity(kind, wrap=True)
+
+
+def case_fidelity_keras_loss_object():
+    _fidelity("sgd", loss="object")
+    _fidelity("loss_scale", loss="object", wrap=True)
 
 
 def case_fidelity_gradient_accumulation_over_two_micro_batches():
@@ -196,24 +207,66 @@ def case_shapes_that_differ_across_ranks_raise_instead_of_hanging():
         raise AssertionError("mismatched collectives were not detected")
 
 
-def case_variable_created_outside_scope_is_refused():
+def case_variables_outside_scope_and_lazily_built_layers_start_identical():
+    # The commonest mistake (a model built outside scope(), different on each rank) and a layer whose
+    # weights are created inside the first step: both broadcast from rank 0 before that step runs.
     r = repl()
-    with r.scope():
-        inside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    outside = keras.layers.Dense(2)
-    outside.build((None, 2))
+    keras.utils.set_random_seed(100 + _rank())
+    outside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    lazy = keras.layers.Dense(2)  # built by its first call, inside the step
+    opt = keras.optimizers.SGD(0.1)
+    x = tf.constant(np.random.default_rng(_rank()).normal(size=(5, 3)).astype(np.float32))
 
     def step(x):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(outside(inside(x)))
-        return tape.gradient(loss, outside.trainable_variables)
+            loss = tf.reduce_mean(lazy(outside(x)) ** 2)
+        variables = outside.trainable_variables + lazy.trainable_variables
+        grads = hvrep.all_reduce(tape.gradient(loss, variables), "mean")
+        opt.apply_gradients(zip(grads, variables, strict=True))
+        return loss
 
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r.run(step, args=(x,))
+    weights = [v.numpy() for v in outside.weights + lazy.weights]
+    drift = _same_on_all_ranks(weights)
+    assert drift == 0.0, drift
+    said = [str(w.message) for w in caught if "Replicator.scope()" in str(w.message)]
+    assert (len(said) == 1) == r.is_chief, said
+    assert not said or "broadcast rank 0's values" in said[0]
+
+
+def case_a_rank_conditional_reduce_is_refused_on_every_rank():
+    # Eager collectives pair by a per-process counter: a call made on one rank only would pair
+    # with a different call on the other. Both ranks must raise the same clear error.
+    r = repl()
     try:
-        r.run(step, args=(tf.ones([1, 3]),))
-    except ScopeError as e:
-        assert "outside Replicator.scope()" in str(e) and "kernel" in str(e)
+        if _rank() == 0:
+            r.reduce(tf.constant([1.0]), "sum")
+        else:
+            r.reduce(tf.constant([2.0]), "mean")
+    except ReplicaMismatchError as e:
+        text = str(e)
+        assert "rank 0: reduce(sum) at cases_replicator.py:" in text, text
+        assert "rank 1: reduce(mean) at cases_replicator.py:" in text, text
     else:
-        raise AssertionError("a variable created outside scope() was not detected")
+        raise AssertionError("a rank-conditional reduce was not detected")
+    # The ranks are still in step afterwards.
+    assert r.reduce(tf.constant(1.0), "sum") == 2.0
+
+
+def case_horovod_settings_for_a_later_replicator_are_refused():
+    repl()  # Horovod is running
+    try:
+        hvrep.Replicator("horovod", config=hvrep.CommConfig(cycle_time_ms=7.5))
+    except ConfigError as e:
+        assert "cycle_time_ms=7.5" in str(e) and "first Replicator" in str(e), e
+    else:
+        raise AssertionError("a cycle time Horovod would ignore was accepted")
+    # hvrep's own bucket size applies to every Replicator: not refused.
+    hvrep.Replicator("horovod", config=hvrep.CommConfig(fusion_threshold_bytes=1024)).close()
 
 
 def case_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch():

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 
-from hvrep.errors import ConfigError
+from hvrep.errors import ConfigError, SetupError
 from hvrep.replica.backends.base import Backend
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext
+from hvrep.replica.placement import resolve_placement
 
 BACKENDS = ("horovod", "tpu", "local")
 _log = logging.getLogger("hvrep")
@@ -32,11 +33,28 @@ def _class(name: str) -> type[Backend]:
 
 
 def create(name: str, config: CommConfig) -> Backend:
-    """Creates the backend ``name``; "auto" tries horovod (> 1 rank), tpu, then local."""
+    """Creates the backend ``name``; "auto" is horovod when a launcher started more than one rank, else tpu
+    when a TPU is attached, else local.
+
+    Raises:
+      hvrep.errors.SetupError: "auto" under a multi-rank launcher, and Horovod cannot start. Falling back to
+        ``local`` would make every rank a one-replica job of its own, each one the chief.
+    """
     if name not in (*BACKENDS, "auto"):
         raise ConfigError(f"backend must be one of {(*BACKENDS, 'auto')}, got {name!r}.")
     if name == "auto":
-        name = next(n for n in BACKENDS if _class(n).available())
+        placement = resolve_placement()
+        if placement.size > 1:
+            try:
+                backend = _class("horovod")(config)
+            except SetupError as e:
+                raise SetupError(
+                    f"backend='auto': the launcher ({placement.launcher}) started {placement.size} ranks, so "
+                    f"hvrep needs Horovod, and it cannot start: {e}"
+                ) from e
+            _log.info("hvrep: backend 'auto' chose 'horovod' (%s, %d ranks)", placement.launcher, placement.size)
+            return backend
+        name = next(n for n in BACKENDS[1:] if _class(n).available())
         _log.info("hvrep: backend 'auto' chose %r", name)
     return _class(name)(config)
 

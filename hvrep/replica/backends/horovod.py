@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from hvrep import _env, compat
-from hvrep.errors import CollectiveError, ReplicaMismatchError, ScopeError, SetupError
-from hvrep.replica.backends.base import Backend, move_bf16_as_bits, reduce_bf16_as_f32
+from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
+from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
 from hvrep.replica.placement import resolve_placement
@@ -70,24 +73,63 @@ def _capture_variables() -> Iterator[list[tf.Variable]]:
         yield created
 
 
+# What Horovod read when this process started it (it reads these settings once, at init).
+_started_with: dict[str, str | None] | None = None
+
+
+def _start_horovod(hvd: Any, config: CommConfig) -> None:
+    """``hvd.init()`` with CommConfig's Horovod settings, or a refusal if Horovod already runs with others."""
+    global _started_with
+    wanted = {_env.HOROVOD_FUSION_THRESHOLD: config.horovod_fusion_threshold_bytes,
+              _env.HOROVOD_CYCLE_TIME: config.cycle_time_ms}
+    if _started_with is not None and hvd.is_initialized():
+        field = {_env.HOROVOD_FUSION_THRESHOLD: "horovod_fusion_threshold_bytes",
+                 _env.HOROVOD_CYCLE_TIME: "cycle_time_ms"}
+        clashes = [f"{field[k]}={v!r} (Horovod runs with {k}={_started_with[k] or 'its default'})"
+                   for k, v in wanted.items()
+                   if v is not None and (_started_with[k] is None or float(_started_with[k]) != float(v))]
+        if clashes:
+            raise ConfigError(
+                f"this Replicator's CommConfig asks for {', '.join(clashes)}, but Horovod reads these once, when "
+                "the first Replicator started it, and would silently ignore them. Fix: give the first Replicator "
+                "of the process these values (or export the HOROVOD_* variables before it starts), and leave them "
+                "None in later ones."
+            )
+        return
+    _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms)
+    hvd.init()
+
+
+def _check_world_size(horovod_size: int) -> None:
+    """Horovod's world must be the launcher's: otherwise each process runs as a job of its own."""
+    placement = resolve_placement()
+    if placement.launcher != "none" and placement.size != horovod_size:
+        raise SetupError(
+            f"the launcher ({placement.launcher}) started this process as rank {placement.rank} of "
+            f"{placement.size}, but Horovod's world has {horovod_size} process(es): the ranks did not find each "
+            "other and would train as separate jobs. Fix: launch with horovodrun, mpirun, or srun with an MPI "
+            "plugin Horovod's MPI understands (srun --mpi=pmix), and check `hvrep doctor`."
+        )
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
     def __init__(self, config: CommConfig) -> None:
         super().__init__(config)
-        _env.set_horovod_knobs(config.fusion_threshold_bytes, config.cycle_time_ms)
-        self.hvd = compat.import_horovod()
-        self.hvd.init()
-        bind_gpu(int(self.hvd.local_rank()))
-        self._scope_vars: dict[int, tf.Variable] = {}
-        self._functions: dict[Any, tuple[Any, Any]] = {}
-        self._signature: list[str] | None = None
-        self._eager_names = 0
         if config.compression == "bf16":
             raise CollectiveError(
                 "compression='bf16': Horovod cannot reduce bfloat16 tensors. Fix: use compression='fp16' "
                 "(half the bytes, works on every backend) or 'none', or the local/tpu backend for bf16."
             )
+        self.hvd = compat.import_horovod()
+        _start_horovod(self.hvd, config)
+        _check_world_size(int(self.hvd.size()))
+        bind_gpu(int(self.hvd.local_rank()))
+        self._scope_vars: dict[int, tf.Variable] = {}
+        self._functions = FunctionCache()
+        self._signature: list[str] | None = None
+        self._eager_names = 0
 
     @classmethod
     def available(cls) -> bool:
@@ -144,35 +186,41 @@ class HorovodBackend(Backend):
     # --- run ------------------------------------------------------------------------------
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        key = fn
-        if key not in self._functions:
-            self._functions[key] = (tf.function(fn, reduce_retracing=True), None)
-        tf_fn, checked = self._functions[key]
+        entry = self._functions.entry(fn, lambda f: tf.function(f, reduce_retracing=True))
+        tf_fn = entry[1]
         with self.replica_section():
-            if checked is None:
+            if entry[2] is None:
                 self._first_call_checks(tf_fn, args, kwargs)
-                self._functions[key] = (tf_fn, True)
+                entry[2] = "checked"
             return tf_fn(*args, **kwargs)
 
     def _first_call_checks(self, tf_fn: Any, args: tuple, kwargs: dict) -> None:
-        """Traces without running, then checks scope and collective signatures."""
+        """Traces without running, checks the collective signatures, then makes every variable the step uses
+        start identical: those not already broadcast by ``scope()`` (a model built outside it, layers and
+        optimizer slots created lazily by this first trace) are broadcast from rank 0 before the step runs."""
         self._signature = []
-        with _capture_variables() as created:
-            concrete = tf_fn.get_concrete_function(*args, **kwargs)
+        concrete = tf_fn.get_concrete_function(*args, **kwargs)
         signature, self._signature = self._signature, None
-        made_here = {id(v) for v in created}
-        if self.num_replicas > 1 and self._scope_vars:
-            outside = [v for v in concrete.variables
-                       if v.trainable and id(v) not in self._scope_vars and id(v) not in made_here]
-            if outside:
-                names = ", ".join(sorted(v.name for v in outside)[:5])
-                raise ScopeError(
-                    f"{len(outside)} trainable variable(s) used by the step were created outside "
-                    f"Replicator.scope() and would start different on each replica: {names}. Fix: create "
-                    "the model and optimizer inside `with repl.scope():`."
-                )
+        # In creation order: the same on every rank running the same program (the function's own order is not).
+        late = sorted((v for v in concrete.variables if id(v) not in self._scope_vars), key=_creation_order)
+        if self.num_replicas > 1 and late:
+            # The broadcast below needs the same variables in the same order on every rank.
+            signature = signature + [f"variable {v.name} {v.dtype.name}{v.shape.as_list()}" for v in late]
         if self.config.check_first_step and self.num_replicas > 1:
             self._compare_signatures(signature)
+        if self.num_replicas > 1 and late:
+            self._broadcast_variables(late)
+            if self.is_chief:
+                outside = [v.name for v in late if v.trainable]
+                if outside:
+                    warnings.warn(
+                        f"{len(outside)} trainable variable(s) the step uses were not created inside "
+                        f"Replicator.scope() ({', '.join(sorted(outside)[:5])}); hvrep broadcast rank 0's values "
+                        "before the first step so every rank starts the same. Create the model inside `with "
+                        "repl.scope():` to have them identical from the start (e.g. for an evaluation before "
+                        "training).", stacklevel=4)
+        for v in late:
+            self._scope_vars[id(v)] = v
 
     def _compare_signatures(self, signature: list[str]) -> None:
         text = "\n".join(signature)
@@ -236,11 +284,58 @@ class HorovodBackend(Backend):
 
     def reduce(self, value: Any, op: str) -> Any:
         check_op(op)
-
         hop = self._hvd_op(op)
+        self._check_same_call(f"reduce({op})", value)
 
         def one(v: Any) -> Any:
             return reduce_bf16_as_f32(tf.convert_to_tensor(v), op, self.num_replicas,
                                       lambda w: self.hvd.allreduce(w, op=hop, name=self._name("reduce"))).numpy()
 
         return tf.nest.map_structure(lambda v: None if v is None else one(v), value)
+
+    def _check_same_call(self, what: str, value: Any) -> None:
+        """Refuses an eager collective that is not the same call on every rank.
+
+        Eager Horovod ops pair across ranks by name, and the names come from a per-process counter; a call made
+        on some ranks only (``if repl.is_chief: repl.reduce(...)``) would pair each later call with a different
+        one on the other ranks, exchanging the wrong tensors or hanging. One small allgather of the call site
+        first makes every rank see the mismatch and raise the same error instead.
+        """
+        site = _call_site()
+        shapes = ",".join(f"{tf.as_dtype(getattr(v, 'dtype', np.asarray(v).dtype)).name}{list(np.shape(v))}"
+                          for v in tf.nest.flatten(value) if v is not None)
+        text = f"{what} at {site} of {shapes}"
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        digests = self.hvd.allgather(tf.constant([digest], tf.int64), name=self._name("call")).numpy().tolist()
+        if len(set(digests)) == 1:
+            return
+        blob = np.frombuffer(text.encode(), np.uint8)
+        lengths = self.hvd.allgather(tf.constant([len(blob)], tf.int64), name=self._name("calllen")).numpy()
+        data = self.hvd.allgather(tf.constant(blob), name=self._name("calldata")).numpy().tobytes()
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        calls = [data[offsets[r]:offsets[r + 1]].decode() for r in range(len(lengths))]
+        listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        raise ReplicaMismatchError(
+            f"ranks made different eager collective calls (call #{self._eager_names} of this process): {listing}. "
+            "Every rank must make the same Replicator.reduce calls in the same order, or the job exchanges the "
+            "wrong values or hangs. Fix: call repl.reduce on every rank and use its result only on the chief "
+            "(e.g. `loss = repl.reduce(x, 'mean'); if repl.is_chief: print(loss)`)."
+        )
+
+
+def _creation_order(v: tf.Variable) -> tuple[int, str]:
+    """A variable's place in this process's creation order: eager TF variables end their unique id in a
+    process-wide counter (``name_<uid>``)."""
+    tail = str(getattr(v, "_unique_id", "")).rpartition("_")[2]
+    return (int(tail) if tail.isdigit() else 1 << 62, v.name)
+
+
+def _call_site() -> str:
+    """file:line of the first caller outside hvrep's replica layer (the user's call)."""
+    here = Path(__file__).resolve().parents[1]
+    frame = sys._getframe(1)
+    while frame is not None and Path(frame.f_code.co_filename).resolve().is_relative_to(here):
+        frame = frame.f_back
+    if frame is None:
+        return "(unknown)"
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"

@@ -65,7 +65,8 @@ def test_fused_reduce_casts_to_the_wire_dtype_and_prescales():
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
     ("fusion_threshold_bytes", -1, "fusion_threshold_bytes must be an int >= 0, got -1"),
-    ("cycle_time_ms", 0, "cycle_time_ms must be > 0, got 0"),
+    ("cycle_time_ms", 0, "cycle_time_ms must be None or > 0, got 0"),
+    ("horovod_fusion_threshold_bytes", -5, "horovod_fusion_threshold_bytes must be None or an int >= 0, got -5"),
     ("compression", "int8", "compression must be one of ('none', 'fp16', 'bf16'), got 'int8'"),
     ("num_groups", -2, "num_groups must be an int >= 0, got -2"),
 ])
@@ -75,9 +76,11 @@ def test_comm_config_rejects_bad_values_by_name(field, value, fragment):
     assert fragment in str(e.value)
 
 
-def test_comm_config_defaults_are_horovods():
+def test_comm_config_defaults_leave_horovods_own_settings_alone():
     cfg = CommConfig()
-    assert cfg.fusion_threshold_bytes == 128 * 1024 * 1024 and cfg.cycle_time_ms == 1.0
+    assert cfg.fusion_threshold_bytes == 128 * 1024 * 1024
+    # hvrep's bucket size does not set Horovod's process-wide fusion buffer or cycle time.
+    assert cfg.horovod_fusion_threshold_bytes is None and cfg.cycle_time_ms is None
     with pytest.raises(AttributeError):
         cfg.compression = "fp16"  # frozen
 
