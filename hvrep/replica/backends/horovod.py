@@ -81,7 +81,10 @@ class HorovodBackend(Backend):
         _env.set_horovod_knobs(config.fusion_threshold_bytes, config.cycle_time_ms)
         self.hvd = compat.import_horovod()
         self.hvd.init()
-        bind_gpu(int(self.hvd.local_rank()))
+        # Read once: hvrep runs a fixed set of ranks (no elastic Horovod), so they cannot change.
+        self._rank, self._size = int(self.hvd.rank()), int(self.hvd.size())
+        self._local_rank, self._local_size = int(self.hvd.local_rank()), int(self.hvd.local_size())
+        self._gpu = bind_gpu(self._local_rank)
         self._scope_vars: dict[int, tf.Variable] = {}
         self._functions: dict[Any, tuple[Any, Any]] = {}
         self._signature: list[str] | None = None
@@ -106,6 +109,22 @@ class HorovodBackend(Backend):
     @property
     def is_chief(self) -> bool:
         return int(self.hvd.rank()) == 0
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_processes(self) -> int:
+        return self._size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._local_size
 
     def _name(self, kind: str) -> str:
         # Eager Horovod ops need names that match across ranks: every rank
@@ -140,8 +159,8 @@ class HorovodBackend(Backend):
 
     def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
                            global_batch_size: int | None) -> tf.data.Dataset:
-        ctx = InputContext(int(self.hvd.rank()), self.num_replicas,
-                           per_replica_batch(global_batch_size, self.num_replicas))
+        ctx = InputContext(self._rank, self.num_replicas, per_replica_batch(global_batch_size, self.num_replicas),
+                           cuda_device=self._gpu.cuda_device, tf_device=self._gpu.tf_device)
         return input_fn(ctx)
 
     # --- run ------------------------------------------------------------------------------
