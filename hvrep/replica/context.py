@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.errors import CollectiveError
+from hvrep.errors import CollectiveError, ConfigError
 
 OPS = ("sum", "mean", "max", "min")
 
@@ -83,6 +83,13 @@ class InputContext:
     _: KW_ONLY
     cuda_device: int | None = None
     tf_device: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cuda_device is None) != (self.tf_device is None):
+            raise ConfigError(f"cuda_device={self.cuda_device!r} and tf_device={self.tf_device!r} name one GPU. "
+                              "Fix: give both, or neither for no GPU.")
+        if self.cuda_device is not None and self.cuda_device < 0:
+            raise ConfigError(f"cuda_device must be >= 0, got {self.cuda_device}.")
 
     def shard(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """This replica's 1/num_replicas of ``dataset`` (every element once overall)."""

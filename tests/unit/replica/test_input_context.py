@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from hvrep import InputContext
+from hvrep.errors import ConfigError
 
 
 def test_positional_form_still_works_and_devices_default_to_none():
@@ -22,6 +23,13 @@ def test_devices_are_keyword_fields():
         InputContext(5, 16, 32, 5)  # a fourth positional would be easy to mistake for a batch size
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.cuda_device = 0
+
+
+def test_a_gpu_needs_both_numbers():
+    with pytest.raises(ConfigError, match="cuda_device=3 and tf_device=None name one GPU"):
+        InputContext(0, 1, cuda_device=3)
+    with pytest.raises(ConfigError, match="cuda_device must be >= 0, got -1"):
+        InputContext(0, 1, cuda_device=-1, tf_device="/gpu:0")
 
 
 def test_shard_ignores_the_devices():
