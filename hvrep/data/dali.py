@@ -76,6 +76,7 @@ from hvrep.data.files import list_folder, list_shards
 from hvrep.data.prepare import check_jpeg
 from hvrep.errors import ConfigError, DataError, SetupError
 from hvrep.replica.context import InputContext
+from hvrep.replica.devices import NO_GPU, ReplicaGpu, process_gpu
 
 log = logging.getLogger(__name__)
 
@@ -215,18 +216,25 @@ def _skip_list(fmt: str, data_dir: str, split: str, threads: int) -> tuple[_Bad,
     return bad
 
 
-def _device(config: DataConfig, ctx: InputContext) -> tuple[str, int | None]:
-    """("mixed", GPU number) or ("cpu", None); a GPU is this replica's among those TensorFlow sees."""
+def _device(config: DataConfig, ctx: InputContext) -> tuple[str, ReplicaGpu]:
+    """("mixed", the replica's GPU) or ("cpu", NO_GPU).
+
+    The GPU is the context's: DALI's ``device_id`` is ``ctx.cuda_device`` (CUDA's
+    number) and ``DALIDataset`` is placed on ``ctx.tf_device`` (TensorFlow's). They
+    differ on Horovod ranks: after ``bind_gpu`` every rank is TensorFlow's
+    ``/gpu:0``, but rank 5 of an 8-GPU node is CUDA device 5. A context no
+    Replicator made gets the GPU TensorFlow shows this process first. Only these
+    numbers are tested; no GPU decode ran here.
+    """
     if config.dali_device == "cpu":
-        return "cpu", None
-    gpus = tf.config.list_logical_devices("GPU")
-    if not gpus:
+        return "cpu", NO_GPU
+    gpu = ReplicaGpu(ctx.cuda_device, ctx.tf_device) if ctx.cuda_device is not None else process_gpu()
+    if gpu.cuda_device is None:
         if config.dali_device == "mixed":
             raise ConfigError("dali_device='mixed' needs a GPU visible to TensorFlow and none is. "
                               "Fix: dali_device='auto' or 'cpu'.")
-        return "cpu", None
-    # One process per GPU (Horovod) sees one GPU; MirroredStrategy runs replica i on GPU i.
-    return "mixed", ctx.replica_id % len(gpus)
+        return "cpu", NO_GPU
+    return "mixed", gpu
 
 
 _Source = tuple[int, Callable[[Callable[..., Any]], tuple[Any, Any]]]
@@ -306,7 +314,7 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     ctx, b = replica_batch(ctx, batch_size)
     training = split == "train" if training is None else training
     n_rep, global_b = ctx.num_replicas, ctx.num_replicas * b
-    device, device_id = _device(config, ctx)
+    device, gpu = _device(config, ctx)
 
     bad = _skip_list(config.format, config.data_dir, split, config.num_threads) if config.on_error == "skip" else ()
     if bad:
@@ -342,7 +350,7 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     pipe_seed = (config.seed * 1_000_003 + ctx.replica_id) % (2**31 - 1)
     from nvidia.dali import Pipeline
 
-    pipe = Pipeline(batch_size=b, num_threads=config.num_threads, device_id=device_id, seed=pipe_seed)
+    pipe = Pipeline(batch_size=b, num_threads=config.num_threads, device_id=gpu.cuda_device, seed=pipe_seed)
     with pipe:
         jpegs, labels = make_reader(reader)
         if training:
@@ -363,9 +371,9 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
         pipe.set_outputs(images, labels.gpu() if device == "mixed" else labels)
 
     shape = (b, size, size, 3) if config.layout == "NHWC" else (b, 3, size, size)
-    with tf.device(f"/gpu:{device_id}" if device == "mixed" else "/cpu:0"):
+    with tf.device(gpu.tf_device or "/cpu:0"):
         ds = dali_tf.DALIDataset(
-            pipeline=pipe, batch_size=b, num_threads=config.num_threads, device_id=device_id,
+            pipeline=pipe, batch_size=b, num_threads=config.num_threads, device_id=gpu.cuda_device,
             output_shapes=(shape, (b,)),
             output_dtypes=(tf.float16 if config.dtype == "float16" else tf.float32, tf.int32))
     ds = ds.take(steps)  # DALIDataset never ends: one epoch is `steps` batches

@@ -64,6 +64,28 @@ class Replicator:
         return self._backend.is_chief
 
     @property
+    def rank(self) -> int:
+        """This process's index in the job, in [0, num_processes): ``hvd.rank()`` on horovod, 0 on in-graph
+        backends (one process drives every replica). Equals the replica id only on horovod."""
+        return self._backend.rank
+
+    @property
+    def num_processes(self) -> int:
+        """Processes in the job: ``hvd.size()`` on horovod, 1 on in-graph backends (see ``num_replicas``)."""
+        return self._backend.num_processes
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index among those on its node (``hvd.local_rank()``; 0 in-graph): on horovod, the
+        GPU it binds to is ``local_rank % visible GPUs``."""
+        return self._backend.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """Processes on this node (``hvd.local_size()``; 1 in-graph)."""
+        return self._backend.local_size
+
+    @property
     def collective_calls(self) -> int:
         """Collective ops created so far: counted when a step is traced (not per execution), over the
         replicas this process traces (one on horovod, every replica on in-graph backends)."""
@@ -85,7 +107,9 @@ class Replicator:
 
         Args:
           input_fn: returns the per-replica ``tf.data.Dataset`` (batched at
-            ``ctx.per_replica_batch_size``) for ``ctx.replica_id``.
+            ``ctx.per_replica_batch_size``) for ``ctx.replica_id``; a GPU
+            pipeline runs on ``ctx.cuda_device`` (CUDA's number, DALI's
+            ``device_id``) placed on ``ctx.tf_device`` (TensorFlow's).
           global_batch_size: if given, must divide by ``num_replicas``; sets
             ``ctx.per_replica_batch_size``.
         """

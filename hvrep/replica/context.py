@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import tensorflow as tf
 
-from hvrep.errors import CollectiveError
+from hvrep.errors import CollectiveError, ConfigError
 
 OPS = ("sum", "mean", "max", "min")
 
@@ -65,11 +65,31 @@ class InputContext:
       num_replicas: replicas in the job.
       per_replica_batch_size: global batch / num_replicas, or None when
         ``distribute_dataset`` was not given a global batch size.
+      cuda_device: this replica's GPU as CUDA numbers it among the devices
+        ``CUDA_VISIBLE_DEVICES`` leaves visible: what DALI's ``device_id``
+        takes. A Horovod rank's is ``local_rank % visible GPUs``. None without
+        a GPU, or in a context no Replicator made.
+      tf_device: the same GPU as TensorFlow names it: "/gpu:0" for a Horovod
+        rank (``bind_gpu`` leaves it one GPU), "/gpu:i" for in-graph replica i;
+        None without a GPU.
+
+    The device fields are keyword-only. Only their index rules were tested (no
+    GPU was available; see ``hvrep.replica.devices``).
     """
 
     replica_id: int
     num_replicas: int
     per_replica_batch_size: int | None = None
+    _: KW_ONLY
+    cuda_device: int | None = None
+    tf_device: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cuda_device is None) != (self.tf_device is None):
+            raise ConfigError(f"cuda_device={self.cuda_device!r} and tf_device={self.tf_device!r} name one GPU. "
+                              "Fix: give both, or neither for no GPU.")
+        if self.cuda_device is not None and self.cuda_device < 0:
+            raise ConfigError(f"cuda_device must be >= 0, got {self.cuda_device}.")
 
     def shard(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """This replica's 1/num_replicas of ``dataset`` (every element once overall)."""

@@ -286,3 +286,27 @@ def case_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(crbn.moving_mean.numpy(), bn.moving_mean.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(crbn.moving_variance.numpy(), bn.moving_variance.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def case_process_placement_and_the_input_contexts_gpu():
+    from hvrep import compat
+
+    r, hvd = repl(), compat.import_horovod()
+    seen = []
+
+    def input_fn(ctx):
+        seen.append(ctx)
+        return tf.data.Dataset.range(2).batch(1)
+
+    r.distribute_dataset(input_fn, global_batch_size=2)
+    ranks = r.reduce(tf.constant([r.rank, r.local_rank]), "sum")  # every rank reaches this before asserting
+    placement = hvrep.resolve_placement()
+    assert (r.rank, r.num_processes) == (hvd.rank(), hvd.size()) == (placement.rank, 2)
+    assert (r.local_rank, r.local_size) == (hvd.local_rank(), hvd.local_size()) == (placement.local_rank, 2)
+    assert ranks.tolist() == [1, 1]  # ranks 0 and 1, both on this node
+    [ctx] = seen
+    assert (ctx.replica_id, ctx.num_replicas, ctx.per_replica_batch_size) == (r.rank, 2, 1)
+    # No GPU here; with one, bind_gpu makes TensorFlow's /gpu:0 CUDA device local_rank % visible GPUs.
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    want = (r.local_rank % gpus, "/gpu:0") if gpus else (None, None)
+    assert (ctx.cuda_device, ctx.tf_device) == want

@@ -38,10 +38,11 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 from tensorflow.python.distribute import values as tf_values
 
-from hvrep.errors import CollectiveError
+from hvrep.errors import CollectiveError, SetupError
 from hvrep.replica.backends.base import Backend, FunctionCache, mean_from_sum, move_bf16_as_bits
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
+from hvrep.replica.devices import NO_GPU, ReplicaGpu
 
 # Ops whose output is the same on every replica whatever their inputs' history.
 _REPLICA_INVARIANT_LEAVES = frozenset({"Const", "ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
@@ -197,13 +198,23 @@ class _DistributedData:
 
 
 class InGraphBackend(Backend):
-    """Replicas are devices of one process, driven by a tf.distribute strategy."""
+    """Replicas are devices of one process, driven by a tf.distribute strategy.
 
-    def __init__(self, config: CommConfig, strategy: tf.distribute.Strategy, marks: _Marks) -> None:
+    Args:
+      gpus: replica i's GPU (``hvrep.replica.devices.replica_gpus``), one per
+        replica; empty when the replicas are not GPUs.
+    """
+
+    def __init__(self, config: CommConfig, strategy: tf.distribute.Strategy, marks: _Marks,
+                 gpus: Sequence[ReplicaGpu] = ()) -> None:
         super().__init__(config)
         self.strategy = strategy
         self._marks = marks
         self._functions = FunctionCache()
+        self._gpus = list(gpus) or [NO_GPU] * self.num_replicas
+        if len(self._gpus) != self.num_replicas:
+            raise SetupError(f"{len(self._gpus)} GPUs were given for {self.num_replicas} in-graph replicas; "
+                             "each replica needs one.")
 
     @property
     def num_replicas(self) -> int:
@@ -213,14 +224,32 @@ class InGraphBackend(Backend):
     def is_chief(self) -> bool:
         return True  # one process drives every replica
 
+    # One process drives every replica: it is the whole job, and alone on its node.
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def num_processes(self) -> int:
+        return 1
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def local_size(self) -> int:
+        return 1
+
     def scope(self) -> contextlib.AbstractContextManager[None]:
         return self.strategy.scope()
 
     def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
                            global_batch_size: int | None) -> _DistributedData:
         pbs = per_replica_batch(global_batch_size, self.num_replicas)
-        return _DistributedData(self.strategy, [input_fn(InputContext(i, self.num_replicas, pbs))
-                                                for i in range(self.num_replicas)])
+        return _DistributedData(self.strategy, [
+            input_fn(InputContext(i, self.num_replicas, pbs, cuda_device=gpu.cuda_device, tf_device=gpu.tf_device))
+            for i, gpu in enumerate(self._gpus)])
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         strategy = self.strategy

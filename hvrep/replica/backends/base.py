@@ -140,6 +140,23 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def is_chief(self) -> bool: ...
 
+    # This process's place in the job (Horovod's rank, size, local_rank, local_size).
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def num_processes(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def local_rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def local_size(self) -> int: ...
+
     @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Variables created inside start identical on every replica."""

@@ -30,33 +30,36 @@ from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, Set
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
+from hvrep.replica.devices import ReplicaGpu, rank_gpu
 from hvrep.replica.placement import resolve_placement
 
 
-def gpu_for(local_rank: int, num_gpus: int) -> int | None:
-    """The GPU a replica uses: its local rank (wrapping when ranks outnumber GPUs), or None without GPUs."""
-    return local_rank % num_gpus if num_gpus else None
-
-
-def bind_gpu(local_rank: int) -> None:
+def bind_gpu(local_rank: int) -> ReplicaGpu:
     """Makes this process see one GPU, number ``local_rank``, as Horovod's examples do.
 
     Must run before TensorFlow initialises its GPUs (``Replicator`` calls it at
     construction). Memory growth on, so ranks sharing a node do not each grab
-    all of a GPU's memory at start-up.
+    all of a GPU's memory at start-up. This narrows TensorFlow's view only:
+    CUDA, and DALI with it, still numbers every device ``CUDA_VISIBLE_DEVICES``
+    leaves visible (``hvrep.replica.devices``).
+
+    Returns:
+      The GPU bound: TensorFlow's "/gpu:0" and its CUDA number (its index in
+      the physical list bound from); both None without a GPU.
     """
     gpus = tf.config.list_physical_devices("GPU")
-    index = gpu_for(local_rank, len(gpus))
-    if index is None:
-        return
+    gpu = rank_gpu(local_rank, len(gpus))
+    if gpu.cuda_device is None:
+        return gpu
     try:
-        tf.config.set_visible_devices(gpus[index], "GPU")
-        tf.config.experimental.set_memory_growth(gpus[index], True)
+        tf.config.set_visible_devices(gpus[gpu.cuda_device], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[gpu.cuda_device], True)
     except RuntimeError as e:  # GPUs already initialised
         raise SetupError(
-            f"cannot bind this rank to GPU {index}: TensorFlow already initialised its GPUs ({e}). Fix: create "
-            "hvrep.Replicator before running any TensorFlow op."
+            f"cannot bind this rank to GPU {gpu.cuda_device}: TensorFlow already initialised its GPUs ({e}). Fix: "
+            "create hvrep.Replicator before running any TensorFlow op."
         ) from e
+    return gpu
 
 
 @contextlib.contextmanager
@@ -125,7 +128,10 @@ class HorovodBackend(Backend):
         self.hvd = compat.import_horovod()
         _start_horovod(self.hvd, config)
         _check_world_size(int(self.hvd.size()))
-        bind_gpu(int(self.hvd.local_rank()))
+        # Read once: hvrep runs a fixed set of ranks (no elastic Horovod), so they cannot change.
+        self._rank, self._size = int(self.hvd.rank()), int(self.hvd.size())
+        self._local_rank, self._local_size = int(self.hvd.local_rank()), int(self.hvd.local_size())
+        self._gpu = bind_gpu(self._local_rank)
         self._scope_vars: dict[int, tf.Variable] = {}
         self._functions = FunctionCache()
         self._signature: list[str] | None = None
@@ -145,6 +151,22 @@ class HorovodBackend(Backend):
     @property
     def is_chief(self) -> bool:
         return int(self.hvd.rank()) == 0
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_processes(self) -> int:
+        return self._size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._local_size
 
     def _name(self, kind: str) -> str:
         # Eager Horovod ops need names that match across ranks: every rank
@@ -179,8 +201,8 @@ class HorovodBackend(Backend):
 
     def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
                            global_batch_size: int | None) -> tf.data.Dataset:
-        ctx = InputContext(int(self.hvd.rank()), self.num_replicas,
-                           per_replica_batch(global_batch_size, self.num_replicas))
+        ctx = InputContext(self._rank, self.num_replicas, per_replica_batch(global_batch_size, self.num_replicas),
+                           cuda_device=self._gpu.cuda_device, tf_device=self._gpu.tf_device)
         return input_fn(ctx)
 
     # --- run ------------------------------------------------------------------------------

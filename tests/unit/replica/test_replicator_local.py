@@ -229,3 +229,21 @@ def test_the_compiled_step_cache_is_bounded(repl):
     for i in range(cache.size + 5):
         repl.run(lambda i=i: tf.constant(float(i)))
     assert len(cache) == cache.size
+
+
+def test_one_process_drives_every_replica_and_each_context_carries_its_gpu(repl):
+    from hvrep.replica import devices
+
+    assert (repl.rank, repl.num_processes, repl.local_rank, repl.local_size) == (0, 1, 0, 1)
+    seen = []
+
+    def input_fn(ctx):
+        seen.append(ctx)
+        return tf.data.Dataset.range(2).batch(1)
+
+    repl.distribute_dataset(input_fn)
+    # Replica i on GPU i; no GPU here, so every context says None (the GPU rule: tests/unit/replica/test_devices.py).
+    gpus = tf.config.list_logical_devices("GPU")
+    want = (devices.replica_gpus(len(gpus), devices.count_cuda_devices()) if gpus
+            else [devices.NO_GPU] * repl.num_replicas)
+    assert [(c.replica_id, c.cuda_device, c.tf_device) for c in seen] == [(i, *g) for i, g in enumerate(want)]
