@@ -79,21 +79,27 @@ class Hardware:
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """Where one training step's time went, in seconds per step."""
+    """Where one training step's time went, in seconds per step.
+
+    ``input_wait_s`` is None when the run did not measure it (``hvrep bench``
+    feeds one in-memory synthetic batch, so there is no input to wait for).
+    """
 
     compute_s: float
     communication_s: float
-    input_wait_s: float
+    input_wait_s: float | None
 
     def __post_init__(self) -> None:
         for name in ("compute_s", "communication_s", "input_wait_s"):
             value = getattr(self, name)
+            if name == "input_wait_s" and value is None:
+                continue
             if not _is_number(value) or not 0 <= value < math.inf:
                 raise DataError(f"step_time_breakdown.{name} must be a finite number of seconds >= 0, got {value!r}.")
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.communication_s + self.input_wait_s
+        return self.compute_s + self.communication_s + (self.input_wait_s or 0.0)
 
 
 @dataclass(frozen=True)
@@ -316,9 +322,10 @@ def _breakdown(value: Any, where: str) -> StepBreakdown | None:
     if value is None:
         return None
     fields = ("compute_s", "communication_s", "input_wait_s")
-    if not isinstance(value, Mapping) or any(k not in value for k in fields):
-        raise DataError(f"{where}: step_time_breakdown must be an object with {', '.join(fields)}, got {value!r}.")
-    return StepBreakdown(*(value[k] for k in fields))
+    if not isinstance(value, Mapping) or any(k not in value for k in fields[:2]):
+        raise DataError(f"{where}: step_time_breakdown must be an object with {', '.join(fields)} (input_wait_s may "
+                        f"be null: not measured), got {value!r}.")
+    return StepBreakdown(*(value.get(k) for k in fields))
 
 
 # --------------------------------------------------------------------------- comparing
@@ -408,9 +415,12 @@ def _breakdown_by_ranks(runs: Sequence[Run]) -> dict[int, StepBreakdown]:
     for r in runs:
         if r.breakdown is not None:
             grouped.setdefault(r.ranks, []).append(r.breakdown)
+    def waits(bs: list[StepBreakdown]) -> float | None:
+        measured = [b.input_wait_s for b in bs if b.input_wait_s is not None]
+        return statistics.median(measured) if measured else None
+
     return {ranks: StepBreakdown(statistics.median(b.compute_s for b in bs),
-                                 statistics.median(b.communication_s for b in bs),
-                                 statistics.median(b.input_wait_s for b in bs))
+                                 statistics.median(b.communication_s for b in bs), waits(bs))
             for ranks, bs in sorted(grouped.items())}
 
 
@@ -495,7 +505,7 @@ def _plot_breakdown(breakdown: dict[int, StepBreakdown], path: Path) -> None:
     bottom = [0.0] * len(labels)
     for name, attr in (("compute", "compute_s"), ("communication", "communication_s"),
                        ("input wait", "input_wait_s")):
-        ms = [1e3 * getattr(b, attr) for b in breakdown.values()]
+        ms = [1e3 * (getattr(b, attr) or 0.0) for b in breakdown.values()]
         ax.bar(labels, ms, bottom=bottom, label=name)
         bottom = [a + b for a, b in zip(bottom, ms, strict=True)]
     ax.set_xlabel("ranks")
@@ -545,8 +555,9 @@ def _report_lines(runs: Sequence[Run], comparison: Comparison, rows: list[Scalin
                   "|---:|---:|---:|---:|---:|"]
         for ranks, b in breakdown.items():
             share = b.communication_s / b.total_s if b.total_s else 0.0
+            wait = "not measured" if b.input_wait_s is None else f"{1e3 * b.input_wait_s:.2f}"
             lines.append(f"| {ranks} | {1e3 * b.compute_s:.2f} | {1e3 * b.communication_s:.2f} | "
-                         f"{1e3 * b.input_wait_s:.2f} | {100 * share:.1f}% |")
+                         f"{wait} | {100 * share:.1f}% |")
         lines += ["", f"![step-time breakdown]({_BREAKDOWN_PNG})", ""]
         if missing:
             lines += [f"{_NOT_RECORDED.capitalize()} in: {', '.join(missing)}.", ""]
