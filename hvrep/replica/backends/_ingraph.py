@@ -173,10 +173,17 @@ class MarkingMirroredStrategy(_OneReplicaView, tf.distribute.MirroredStrategy):
     """MirroredStrategy whose SUM of an hvrep-reduced value is that value."""
 
     def __init__(self, devices: Sequence[str], marks: _Marks) -> None:
-        extended = _MarkingMirroredExtended(self, devices=devices,
-                                            cross_device_ops=tf.distribute.ReductionToOneDevice())
+        extended = _MarkingMirroredExtended(self, devices=devices, cross_device_ops=cross_device_ops_for(devices))
         extended._hvrep_marks = marks
         distribute_lib.Strategy.__init__(self, extended)
+
+
+def cross_device_ops_for(devices: Sequence[str]) -> tf.distribute.CrossDeviceOps:
+    """How the local backend's replicas all-reduce: NCCL when they are all GPUs (one ring over NVLink/PCIe, what
+    MirroredStrategy picks by default on GPUs), else a reduction through one device (CPUs: NCCL needs GPUs)."""
+    if devices and all("GPU" in tf.DeviceSpec.from_string(d).device_type.upper() for d in devices):
+        return tf.distribute.NcclAllReduce()
+    return tf.distribute.ReductionToOneDevice()
 
 
 def true_replica_count(strategy: tf.distribute.Strategy) -> int:

@@ -247,3 +247,12 @@ def test_one_process_drives_every_replica_and_each_context_carries_its_gpu(repl)
     want = (devices.replica_gpus(len(gpus), devices.count_cuda_devices()) if gpus
             else [devices.NO_GPU] * repl.num_replicas)
     assert [(c.replica_id, c.cuda_device, c.tf_device) for c in seen] == [(i, *g) for i, g in enumerate(want)]
+
+
+def test_local_replicas_all_reduce_with_nccl_on_gpus_and_through_one_device_on_cpus():
+    # No GPU here: the choice is checked on device names; NCCL itself was not run.
+    from hvrep.replica.backends._ingraph import cross_device_ops_for
+
+    gpus = ["/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1"]
+    assert isinstance(cross_device_ops_for(gpus), tf.distribute.NcclAllReduce)
+    assert isinstance(cross_device_ops_for(["/device:CPU:0", "/device:CPU:1"]), tf.distribute.ReductionToOneDevice)
