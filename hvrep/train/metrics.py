@@ -14,6 +14,41 @@ from pathlib import Path
 from typing import Any
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class LineProgress:
+    """tqdm's ``update``/``set_postfix``/``close`` as one stdout line every ``every`` steps (and at the end)."""
+
+    def __init__(self, total: int, initial: int, desc: str, every: int) -> None:
+        self.total, self.n, self.desc, self.every = total, initial, desc, max(1, every)
+        self._postfix: dict[str, Any] = {}
+        self._printed = initial
+        self._t0 = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        before = self.n
+        self.n += n
+        if self.n // self.every > before // self.every or self.n >= self.total:
+            self._line()
+
+    def set_postfix(self, **values: Any) -> None:
+        self._postfix = values
+
+    def _line(self) -> None:
+        extra = "".join(f", {k}={v}" for k, v in self._postfix.items())
+        print(f"{self.desc}: step {self.n}/{self.total} ({time.perf_counter() - self._t0:.0f} s{extra})", flush=True)
+        self._printed = self.n
+
+    def close(self) -> None:
+        if self.n != self._printed:
+            self._line()
+
+
 class MetricsWriter:
     """metrics.jsonl, TensorBoard scalars and console lines; a no-op on every rank but the chief."""
 
@@ -48,8 +83,16 @@ class MetricsWriter:
         if self.enabled:
             print(line, flush=True)
 
-    def progress(self, total: int, initial: int, desc: str) -> Any:
-        """A tqdm bar on stderr, shown on the chief only."""
+    def progress(self, total: int, initial: int, desc: str, every: int = 0) -> Any:
+        """Progress on the chief only: a tqdm bar when stderr is a terminal, else a plain line every ``every`` steps.
+
+        ``horovodrun`` and ``mpirun`` pipe a rank's output and prefix each
+        chunk (``[0]<stderr>:``), so a bar's carriage returns would become
+        thousands of fragments in a log; lines stay readable (``every`` 0:
+        about ten lines an epoch).
+        """
+        if self.enabled and not _is_terminal(sys.stderr):
+            return LineProgress(total, initial, desc, every or max(1, total // 10))
         from tqdm import tqdm
 
         return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not self.enabled,
