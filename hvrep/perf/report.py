@@ -88,11 +88,13 @@ class StepBreakdown:
     compute_s: float
     communication_s: float
     input_wait_s: float | None
+    # How much of communication_s overlapped the backward pass in the whole step (a floor); None: not recorded.
+    communication_hidden_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("compute_s", "communication_s", "input_wait_s"):
+        for name in ("compute_s", "communication_s", "input_wait_s", "communication_hidden_s"):
             value = getattr(self, name)
-            if name == "input_wait_s" and value is None:
+            if name in ("input_wait_s", "communication_hidden_s") and value is None:
                 continue
             if not _is_number(value) or not 0 <= value < math.inf:
                 raise DataError(f"step_time_breakdown.{name} must be a finite number of seconds >= 0, got {value!r}.")
@@ -325,7 +327,7 @@ def _breakdown(value: Any, where: str) -> StepBreakdown | None:
     if not isinstance(value, Mapping) or any(k not in value for k in fields[:2]):
         raise DataError(f"{where}: step_time_breakdown must be an object with {', '.join(fields)} (input_wait_s may "
                         f"be null: not measured), got {value!r}.")
-    return StepBreakdown(*(value.get(k) for k in fields))
+    return StepBreakdown(*(value.get(k) for k in fields), communication_hidden_s=value.get("communication_hidden_s"))
 
 
 # --------------------------------------------------------------------------- comparing
@@ -415,12 +417,13 @@ def _breakdown_by_ranks(runs: Sequence[Run]) -> dict[int, StepBreakdown]:
     for r in runs:
         if r.breakdown is not None:
             grouped.setdefault(r.ranks, []).append(r.breakdown)
-    def waits(bs: list[StepBreakdown]) -> float | None:
-        measured = [b.input_wait_s for b in bs if b.input_wait_s is not None]
+    def median_of(bs: list[StepBreakdown], attr: str) -> float | None:
+        measured = [getattr(b, attr) for b in bs if getattr(b, attr) is not None]
         return statistics.median(measured) if measured else None
 
     return {ranks: StepBreakdown(statistics.median(b.compute_s for b in bs),
-                                 statistics.median(b.communication_s for b in bs), waits(bs))
+                                 statistics.median(b.communication_s for b in bs), median_of(bs, "input_wait_s"),
+                                 median_of(bs, "communication_hidden_s"))
             for ranks, bs in sorted(grouped.items())}
 
 
@@ -551,12 +554,13 @@ def _report_lines(runs: Sequence[Run], comparison: Comparison, rows: list[Scalin
         lines += [f"{_NOT_RECORDED.capitalize()}: none of these results carries a `step_time_breakdown` "
                   "(compute / communication / input wait), so none is shown and none is estimated.", ""]
     else:
-        lines += ["| ranks | compute ms | communication ms | input wait ms | communication share |",
-                  "|---:|---:|---:|---:|---:|"]
+        lines += ["| ranks | compute ms | communication ms | of which hidden ms | input wait ms | comm. share |",
+                  "|---:|---:|---:|---:|---:|---:|"]
         for ranks, b in breakdown.items():
             share = b.communication_s / b.total_s if b.total_s else 0.0
             wait = "not measured" if b.input_wait_s is None else f"{1e3 * b.input_wait_s:.2f}"
-            lines.append(f"| {ranks} | {1e3 * b.compute_s:.2f} | {1e3 * b.communication_s:.2f} | "
+            hidden = "-" if b.communication_hidden_s is None else f"{1e3 * b.communication_hidden_s:.2f}"
+            lines.append(f"| {ranks} | {1e3 * b.compute_s:.2f} | {1e3 * b.communication_s:.2f} | {hidden} | "
                          f"{wait} | {100 * share:.1f}% |")
         lines += ["", f"![step-time breakdown]({_BREAKDOWN_PNG})", ""]
         if missing:

@@ -65,4 +65,17 @@ def test_the_in_graph_baseline_does_the_same_work_as_hvrep():
     config = records[1]["config"]
     assert config["backend"] == "local" and config["ranks"] == 2
     assert config["baseline"] == "MirroredStrategy over 2 devices, Keras' own sum"
-    assert records[0]["summary"]["step_time_breakdown"]["input_wait_s"] is None
+    breakdown = records[0]["summary"]["step_time_breakdown"]
+    assert breakdown["input_wait_s"] is None
+    assert 0 <= breakdown["communication_hidden_s"] <= breakdown["communication_s"]
+
+
+def test_the_breakdown_reports_how_much_communication_was_hidden(tmp_path):
+    from hvrep.perf import report
+
+    b = report._breakdown({"compute_s": 0.3, "communication_s": 0.1, "communication_hidden_s": 0.04,
+                           "input_wait_s": None}, "x")
+    assert b.communication_hidden_s == 0.04 and b.input_wait_s is None and abs(b.total_s - 0.4) < 1e-12
+    with pytest.raises(report.DataError):
+        report._breakdown({"compute_s": 0.3, "communication_s": 0.1, "communication_hidden_s": -1.0,
+                           "input_wait_s": 0.0}, "x")

@@ -139,7 +139,7 @@ def test_breakdown_from_a_training_run_and_not_recorded_for_the_other(tmp_path: 
     assert runs[1].breakdown == report.StepBreakdown(0.05, 0.04, 0.01)
     out = tmp_path / "out"
     section = report.render(runs, out).read_text().split("## Step-time breakdown", 1)[1].split("##", 1)[0]
-    assert "| 2 | 50.00 | 40.00 | 10.00 | 40.0% |" in section  # 0.04 / (0.05 + 0.04 + 0.01)
+    assert "| 2 | 50.00 | 40.00 | - | 10.00 | 40.0% |" in section  # 0.04 / (0.05 + 0.04 + 0.01)
     assert f"Not recorded in: {tmp_path / 'a'}." in section
     _assert_png(out / "breakdown.png")
 
@@ -175,7 +175,7 @@ def test_benchmark_lines_with_breakdown_and_repeats(tmp_path: Path):
     _assert_png(out / "breakdown.png")
     section = text.split("## Step-time breakdown", 1)[1].split("##", 1)[0]
     # 1 rank: step = 256 / 2900 s = 88.28 ms; compute 80% = 70.62 ms, communication 15% = 13.24 ms.
-    assert "| 1 | 70.62 | 13.24 | 4.41 | 15.0% |" in section
+    assert "| 1 | 70.62 | 13.24 | - | 4.41 | 15.0% |" in section
     assert "Not recorded" not in section
     assert f"Linux-6.8-x86_64-with-glibc2.36, 64 CPUs, GPUs: {H100}" in text
 
