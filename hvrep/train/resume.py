@@ -58,13 +58,16 @@ class ResumePoint:
 
 
 def _gather_rows(v: tf.Tensor) -> tf.Tensor:
-    return hvrep.all_gather(v, axis=0)
+    # Row r holds replica r's values: a sum of one-hot rows. (An all_gather of the same host tensor on
+    # every replica of a MirroredStrategy returns it unchanged instead of stacking the copies.)
+    rows = tf.one_hot(hvrep.replica_id(), hvrep.num_replicas(), dtype=v.dtype)[:, None] * v
+    return hvrep.all_reduce(rows, "sum")
 
 
 def gather(repl: hvrep.Replicator, values: list[int]) -> np.ndarray:
     """Every replica's ``values`` (ints), as a (num_replicas, len(values)) array on every rank, in rank order."""
     per_replica = repl.run(_gather_rows, args=(tf.constant([values], tf.int64),))
-    # On in-graph backends every replica of the process holds the same gathered rows.
+    # Every replica holds the same rows; reduce brings them to the host.
     return np.asarray(repl.reduce(per_replica, "max")).reshape(repl.num_replicas, len(values))
 
 
