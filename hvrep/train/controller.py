@@ -21,7 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.data import EpochPosition, Segment, data_errors, epoch_plan, make_dataset
+from hvrep.data import EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
 from hvrep.errors import DataError
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
@@ -76,7 +76,7 @@ class Controller:
             "segments": [s.to_json() for s in segments], "train_examples": train_examples,
             "accumulation": self.runner.accumulation_record()})
 
-    def _position(self, epoch: int, plan: Any, segments: list[Segment]) -> tuple[EpochPosition, int]:
+    def _position(self, epoch: int, plan: EpochPlan, segments: list[Segment]) -> tuple[EpochPosition, int]:
         """Where this epoch's data resumes, and the steps left in it; says when the size or batch changed."""
         n, gb = self.runner.repl.num_replicas, self.cfg.train.global_batch
         saved = self.resumed.metadata.get("train_examples") if self.resumed else None
