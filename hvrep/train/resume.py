@@ -122,13 +122,13 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
         return None
 
     step, sequence = int(chief[0]), int(chief[1])
-    folder = where / f"ckpt-{step:08d}"
     try:
-        metadata = read_metadata(folder)
-        readable = int(metadata.get("sequence") == sequence and (folder / "ckpt.index").is_file())
-    except CheckpointError:
-        metadata, readable = {}, 0
-    readable_on = gather(repl, [readable])[:, 0]
+        found = _find(checkpoints, step, sequence)
+    except CheckpointError as err:
+        log.error("%s", err)
+        found = None
+    folder, metadata = found or (where / f"ckpt-{step:08d}", {})
+    readable_on = gather(repl, [int(found is not None)])[:, 0]
     if not readable_on.all():
         missing = ", ".join(str(r) for r in np.flatnonzero(readable_on == 0))
         raise CheckpointError(
@@ -154,6 +154,15 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
             "logs); no rank continues."
         )
     return ResumePoint(folder, metadata)
+
+
+def _find(checkpoints: CheckpointManager, step: int, sequence: int) -> tuple[Path, dict[str, Any]] | None:
+    """This rank's folder of the chief's save (``step``, save #``sequence``) and its metadata, or None."""
+    for folder in reversed(checkpoints.all()):  # also a step's previous version left by a killed overwrite
+        metadata = read_metadata(folder)
+        if (metadata.get("step"), metadata.get("sequence")) == (step, sequence):
+            return folder, metadata
+    return None
 
 
 def _accumulation_rule(metadata: dict[str, Any], steps: int, folder: Path) -> tuple[str, ...]:
