@@ -11,27 +11,39 @@ import tensorflow as tf
 
 from hvrep.data.config import PAD_LABEL, DataConfig
 from hvrep.data.demo import write_demo
+from hvrep.data.plan import EpochPlan, EpochPosition, Segment
 from hvrep.data.prepare import prepare
-from hvrep.data.tfdata import synthetic_dataset, tfdata_dataset
+from hvrep.data.tfdata import synthetic_dataset, tfdata_dataset, tfdata_plan
 from hvrep.replica.context import InputContext
 
 
 def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                 training: bool | None = None) -> tf.data.Dataset:
+                 training: bool | None = None, position: EpochPosition | None = None) -> tf.data.Dataset:
     """One replica's ``(images, labels)`` batches for one epoch, from ``config.backend``.
 
     Both backends apply the same augmentation and sharding rules (see
-    ``hvrep.data.tfdata`` and ``hvrep.data.dali``); evaluation pads with
-    label ``PAD_LABEL`` (-1) rows that must not count. A dataset is one epoch
-    and the same order each time it is built: pass a config whose ``seed``
-    changes per epoch (``dataclasses.replace(config, seed=base + epoch)``, the
-    same on every replica) for a new shuffle and new augmentation.
+    ``hvrep.data.tfdata`` and ``hvrep.data.dali``); training reads the samples
+    of the epoch plan (``hvrep.data.plan``), from ``position`` on when an epoch
+    resumes (at any world size or global batch); evaluation pads with label
+    ``PAD_LABEL`` (-1) rows that must not count. A dataset is one epoch and the
+    same order each time it is built: pass a config whose ``seed`` changes per
+    epoch (``dataclasses.replace(config, seed=base + epoch)``, the same on
+    every replica) for a new shuffle and new augmentation.
     """
     if config.backend == "dali":
         from hvrep.data.dali import dali_dataset
 
-        return dali_dataset(config, split, ctx, batch_size, training)
-    return tfdata_dataset(config, split, ctx, batch_size, training)
+        return dali_dataset(config, split, ctx, batch_size, training, position)
+    return tfdata_dataset(config, split, ctx, batch_size, training, position)
+
+
+def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:
+    """The plan ``make_dataset`` follows when training on ``split`` with ``config`` (its seed: the epoch's)."""
+    if config.backend == "dali":
+        from hvrep.data.dali import dali_plan
+
+        return dali_plan(config, split)
+    return tfdata_plan(config, split)
 
 
 def num_examples(config: DataConfig, split: str) -> int:
@@ -59,5 +71,5 @@ def data_errors(config: DataConfig, split: str):
     return contextlib.nullcontext()
 
 
-__all__ = ["PAD_LABEL", "DataConfig", "data_errors", "make_dataset", "num_examples", "prepare", "synthetic_dataset",
-           "tfdata_dataset", "write_demo"]
+__all__ = ["PAD_LABEL", "DataConfig", "EpochPlan", "EpochPosition", "Segment", "data_errors", "epoch_plan",
+           "make_dataset", "num_examples", "prepare", "synthetic_dataset", "tfdata_dataset", "write_demo"]

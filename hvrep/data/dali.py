@@ -7,24 +7,26 @@ normalise. Evaluation: resize the shorter side to ``resize_size``, center-crop
 ``image_size``, normalise. Resizes are bilinear without antialiasing, as
 ``tf.image.resize`` does, so both backends feed the model the same pixels.
 
-Sharding: DALI's readers split the sample list into ``num_replicas``
-contiguous parts and replica ``ctx.replica_id`` reads part ``replica_id``.
+Training follows the epoch plan (``hvrep.data.plan``), as the tf.data
+pipeline does: each replica's reader gets exactly its sample ids in the
+plan's order (a file list; for TFRecords, per run of records from one shard,
+an index of just those records, which DALI's reader seeks to) and shuffles
+and splits nothing itself. Both pipelines therefore train on the same
+samples in the same batches, and resuming mid-epoch (``position``) drops the
+trained batches' ids before the reader sees them. DALI draws crops and
+flips from the pipeline's random stream (seeded by ``config.seed`` and the
+replica), so a resumed run reads the same samples as the interrupted one but
+augments them differently.
 
-- Training shuffles with ``seed=config.seed`` on every replica. A folder's
-  file list is first permuted in Python with that seed (DALI's own permutation
-  uses a fixed seed, so without it a replica would read the same files every
-  epoch whatever the seed); TFRecords are read in their stored order (shuffled
-  once by ``hvrep data prepare``) through a shuffle buffer. Every replica takes
-  ``floor(N / (num_replicas * batch))`` batches: each part holds at least that
-  many samples, so within the epoch the replicas see distinct samples.
-- Evaluation: the sample list is padded with ``P = ceil(N / (R*b)) * R*b - N``
-  padding samples (a tiny black JPEG, label ``PAD_LABEL``) appended after the
-  real ones. The padded count divides by ``R*b``, so every contiguous part
-  holds exactly ``N_padded / R`` samples, a whole number of batches: every
-  replica yields the same number of batches (collectives stay in lockstep) and
-  every real image is in exactly one part. DALI's ``pad_last_batch`` is not
-  used: it repeats the last real sample with its real label, which would count
-  twice.
+Evaluation: DALI's readers split the sample list into ``num_replicas``
+contiguous parts and replica ``ctx.replica_id`` reads part ``replica_id``.
+The sample list is padded with ``P = ceil(N / (R*b)) * R*b - N`` padding
+samples (a tiny black JPEG, label ``PAD_LABEL``) appended after the real
+ones. The padded count divides by ``R*b``, so every contiguous part holds
+exactly ``N_padded / R`` samples, a whole number of batches: every replica
+yields the same number of batches (collectives stay in lockstep) and every
+real image is in exactly one part. DALI's ``pad_last_batch`` is not used: it
+repeats the last real sample with its real label, which would count twice.
 
 Each iteration of the returned dataset is one epoch and restarts the DALI
 pipeline from its seeds: iterating it again gives the same order and the same
@@ -37,9 +39,9 @@ its reader for a replacement) and their error does not name the file
 ("nvImageCodec failure: '#4'"). ``on_error="skip"`` therefore checks every
 image once before the pipeline is built (:func:`hvrep.data.prepare.check_jpeg`,
 a 1/8-scale decode; at ImageNet scale this reads the whole split once per
-process, cached for the process) and leaves the bad ones out of the file list
-or the TFRecord index; their number is logged and in ``dataset.hvrep_skipped``.
-``on_error="raise"`` does not pay that cost up front: iterate inside
+process, cached for the process) and leaves the bad ones out (of the epoch
+plan in training; of the file list or TFRecord index in evaluation); their
+number is logged and in ``dataset.hvrep_skipped``. ``on_error="raise"`` does not pay that cost up front: iterate inside
 :func:`dali_errors` to turn DALI's decode failure into a
 :class:`~hvrep.errors.DataError` naming the file.
 
@@ -57,22 +59,24 @@ import io
 import itertools
 import logging
 import math
-import random
 import re
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
-from hvrep.data.files import list_folder, list_shards
+from hvrep.data.files import FolderListing, ShardListing, list_folder, list_shards
+from hvrep.data.plan import EpochPlan, EpochPosition, ReplicaShare, plan_for
 from hvrep.data.prepare import check_jpeg
 from hvrep.errors import ConfigError, DataError, SetupError
 from hvrep.replica.context import InputContext
@@ -110,18 +114,30 @@ _scratch_dir: Path | None = None
 _scratch_names = itertools.count()
 
 
-def _scratch(stem: str, data: bytes | str) -> str:
+def _scratch_path(stem: str) -> Path:
+    """A new name in the process's scratch folder."""
     global _scratch_dir
     with _scratch_lock:
         if _scratch_dir is None:
             _scratch_dir = Path(tempfile.mkdtemp(prefix="hvrep-dali-"))
             atexit.register(shutil.rmtree, _scratch_dir, True)
-        path = _scratch_dir / f"{next(_scratch_names):06d}-{stem}"
+        return _scratch_dir / f"{next(_scratch_names):06d}-{stem}"
+
+
+def _scratch(stem: str, data: bytes | str) -> str:
+    path = _scratch_path(stem)
     if isinstance(data, str):
         path.write_text(data)
     else:
         path.write_bytes(data)
     return str(path)
+
+
+def _scratch_folder() -> Path:
+    """A new folder for one training dataset's lists (removed with the dataset: a run writes one per epoch)."""
+    folder = _scratch_path("lists")
+    folder.mkdir()
+    return folder
 
 
 @functools.cache
@@ -238,30 +254,46 @@ def _device(config: DataConfig, ctx: InputContext) -> tuple[str, ReplicaGpu]:
 
 
 _Source = tuple[int, Callable[[Callable[..., Any]], tuple[Any, Any]]]
+_Reader = Callable[[Callable[..., Any]], tuple[Any, Any]]
 
 
-def _folder_source(config: DataConfig, split: str, training: bool, pad: Callable[[int], int],
-                   bad: set[Any]) -> _Source:
-    """The number of real samples, and a function that makes the reader (called inside the pipeline)."""
+def _folder_source(config: DataConfig, split: str, pad: Callable[[int], int], bad: set[Any]) -> _Source:
+    """Evaluation: the number of real samples, and a function that makes the reader (called inside the pipeline)."""
     listing = list_folder(config.data_dir, split)
     items = [(f, y) for f, y in zip(listing.files, listing.labels, strict=True) if f not in bad]
-    if training:
-        random.Random(config.seed).shuffle(items)
     n, padding = len(items), pad(len(items))
     if padding:
         items += [(_scratch("pad.jpeg", _pad_jpeg()), PAD_LABEL)] * padding
+    return n, _file_list_reader(_scratch("files.txt", _file_list(items)))
+
+
+def _file_list(items: Iterable[tuple[str, int]]) -> str:
     # A file list rather than files=/labels= keeps the serialized pipeline small at
     # ImageNet scale. DALI's list format rejects negative labels: they are stored +1.
-    file_list = _scratch("files.txt", "".join(f"{f} {y + 1}\n" for f, y in items))
+    return "".join(f"{f} {y + 1}\n" for f, y in items)
 
+
+def _file_list_reader(file_list: str) -> _Reader:
     def make(reader: Callable[..., Any]) -> tuple[Any, Any]:
         jpegs, labels = reader(file_list=file_list)
         return jpegs, labels - 1
 
-    return n, make
+    return make
+
+
+def _tfrecord_reader(config: DataConfig, shards: list[str], indexes: list[str], tfrec: Any) -> _Reader:
+    features = {"image/encoded": tfrec.FixedLenFeature((), tfrec.string, ""),
+                "image/class/label": tfrec.FixedLenFeature([1], tfrec.int64, -1)}
+
+    def make(reader: Callable[..., Any]) -> tuple[Any, Any]:
+        record = reader(path=shards, index_path=indexes, features=features)
+        return record["image/encoded"], record["image/class/label"] - config.label_offset
+
+    return make
 
 
 def _tfrecord_source(config: DataConfig, split: str, pad: Callable[[int], int], bad: set[Any], tfrec: Any) -> _Source:
+    """Evaluation: as :func:`_folder_source`, from the shards."""
     listing = list_shards(config.data_dir, split)
     shards, indexes = list(listing.shards), list(listing.indexes)
     n = 0
@@ -275,18 +307,70 @@ def _tfrecord_source(config: DataConfig, split: str, pad: Callable[[int], int], 
     if padding:
         path, index = _pad_record(config.label_offset, padding)
         shards, indexes = [*shards, path], [*indexes, index]
-    features = {"image/encoded": tfrec.FixedLenFeature((), tfrec.string, ""),
-                "image/class/label": tfrec.FixedLenFeature([1], tfrec.int64, -1)}
+    return n, _tfrecord_reader(config, shards, indexes, tfrec)
 
-    def make(reader: Callable[..., Any]) -> tuple[Any, Any]:
-        record = reader(path=shards, index_path=indexes, features=features)
-        return record["image/encoded"], record["image/class/label"] - config.label_offset
 
-    return n, make
+def _planned_folder(listing: FolderListing, share: ReplicaShare, scratch: Path) -> _Reader:
+    """Training: a reader of exactly the share's files, in order."""
+    items = ((listing.files[i], listing.labels[i]) for i in share.ids.tolist())
+    file_list = scratch / "files.txt"
+    file_list.write_text(_file_list(items))
+    return _file_list_reader(str(file_list))
+
+
+def _planned_tfrecord(config: DataConfig, listing: ShardListing, plan: EpochPlan, share: ReplicaShare,
+                      scratch: Path, tfrec: Any) -> _Reader:
+    """Training: a reader of exactly the share's records, in order.
+
+    DALI's TFRecord reader reads each ``path`` entry's index in order and seeks
+    to every record, so each run of consecutive records from one shard gets an
+    index of its own (the plan sorts every batch by group and shard, so a batch
+    makes at most one run per shard of its group).
+    """
+    block = plan.block_of(share.ids)
+    cuts = np.flatnonzero(np.diff(block)) + 1
+    entries: dict[int, list[str]] = {}
+    shards, indexes = [], []
+    for n, (ids, k) in enumerate(zip(np.split(share.ids, cuts), block[np.r_[0, cuts]].tolist(), strict=True)):
+        if k not in entries:
+            entries[k] = _index_entries(listing.indexes[k])
+        lines = entries[k]
+        index = scratch / f"{n:07d}.idx"
+        index.write_text("".join(lines[i] + "\n" for i in (ids - plan.starts[k]).tolist()))
+        shards.append(listing.shards[k])
+        indexes.append(str(index))
+    return _tfrecord_reader(config, shards, indexes, tfrec)
+
+
+def _bad_ids(listing: FolderListing | ShardListing, bad: Iterable[_Bad]) -> list[int]:
+    """The sample ids (plan numbering) of the bad images."""
+    if isinstance(listing, FolderListing):
+        where = {f: i for i, f in enumerate(listing.files)}
+        return [where[x.key] for x in bad if x.key in where]
+    starts = np.concatenate([[0], np.cumsum(listing.counts)])
+    return [int(starts[x.key[0]]) + x.key[1] for x in bad]
+
+
+def _train_plan(config: DataConfig, split: str) -> tuple[FolderListing | ShardListing, EpochPlan, tuple[_Bad, ...]]:
+    bad = _skip_list(config.format, config.data_dir, split, config.num_threads) if config.on_error == "skip" else ()
+    listing = list_folder(config.data_dir, split) if config.format == "folder" else list_shards(config.data_dir, split)
+    return listing, plan_for(config, listing, exclude=_bad_ids(listing, bad)), bad
+
+
+def dali_plan(config: DataConfig, split: str = "train") -> EpochPlan:
+    """The plan :func:`dali_dataset` follows when training on ``split`` (bad images left out with on_error="skip")."""
+    return _train_plan(config, split)[1]
+
+
+def _log_bad(config: DataConfig, split: str, bad: tuple[_Bad, ...]) -> None:
+    if bad:
+        log.warning("skipped %d %s images of %s that cannot be decoded (on_error='skip'): %s", len(bad), split,
+                    config.data_dir, "; ".join(f"{x.where}: {x.reason}" for x in bad[:5])
+                    + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
 
 
 def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                 training: bool | None = None) -> tf.data.Dataset:
+                 training: bool | None = None, position: EpochPosition | None = None) -> tf.data.Dataset:
     """One replica's batches of ``(images, labels)`` for one epoch, from a DALI pipeline.
 
     Args:
@@ -296,6 +380,8 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
         ``per_replica_batch_size``); None: one replica.
       batch_size: per-replica batch when ``ctx`` has none.
       training: augment and shuffle (default: ``split == "train"``).
+      position: training only: where the epoch resumes (see
+        ``hvrep.data.plan``); the batches before it are not read.
 
     Returns:
       A ``DALIDataset`` (then ``take``, and a cast for bfloat16) of ``images``
@@ -315,38 +401,49 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     training = split == "train" if training is None else training
     n_rep, global_b = ctx.num_replicas, ctx.num_replicas * b
     device, gpu = _device(config, ctx)
+    size = config.image_size
+    shape = (b, size, size, 3) if config.layout == "NHWC" else (b, 3, size, size)
+    out_tf_dtype = tf.float16 if config.dtype == "float16" else tf.float32
 
-    bad = _skip_list(config.format, config.data_dir, split, config.num_threads) if config.on_error == "skip" else ()
-    if bad:
-        log.warning("skipped %d %s images of %s that cannot be decoded (on_error='skip'): %s", len(bad), split,
-                    config.data_dir, "; ".join(f"{x.where}: {x.reason}" for x in bad[:5])
-                    + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
-
-    def pad(n: int) -> int:
-        return 0 if training else math.ceil(n / global_b) * global_b - n
-
-    keys = {x.key for x in bad}
-    if config.format == "folder":
-        n, make_reader = _folder_source(config, split, training, pad, keys)
-    else:
-        n, make_reader = _tfrecord_source(config, split, pad, keys, tfrec)
-    reader_args: dict[str, Any] = {"shard_id": ctx.replica_id, "num_shards": n_rep, "name": "Reader"}
+    scratch = None
     if training:
-        steps = n // global_b
-        if steps == 0:
-            raise ConfigError(f"{n} {split} images cannot fill one global batch of {n_rep} x {b}.")
-        # The same seed on every replica; the buffer is filled before the first batch,
-        # and one replica's part is all it can hold.
-        reader_args.update(random_shuffle=True, seed=config.seed,
-                           initial_fill=max(1, min(config.shuffle_buffer, math.ceil(n / n_rep))))
+        listing, plan, bad = _train_plan(config, split)
+        _log_bad(config, split, bad)
+        position = position or EpochPosition()
+        share = plan.share(ctx.replica_id, n_rep, b, position)
+        steps = share.steps
+        if position.is_start and steps == 0:
+            raise ConfigError(f"{plan.num_samples - len(bad)} {split} images cannot fill one global batch of "
+                              f"{n_rep} x {b}.")
+        if steps == 0:  # resumed at the end of the epoch: DALI cannot read an empty list
+            empty = (tf.zeros((0, *shape), out_tf_dtype), tf.zeros((0, b), tf.int32))
+            return _finished(tf.data.Dataset.from_tensor_slices(empty), config, len(bad))
+        # The replica's own list in the plan's order: DALI shuffles nothing and splits nothing.
+        scratch = _scratch_folder()
+        if isinstance(listing, FolderListing):
+            make_reader = _planned_folder(listing, share, scratch)
+        else:
+            make_reader = _planned_tfrecord(config, listing, plan, share, scratch, tfrec)
+        reader_args: dict[str, Any] = {"shard_id": 0, "num_shards": 1, "name": "Reader"}
     else:
+        bad = _skip_list(config.format, config.data_dir, split, config.num_threads) if config.on_error == "skip" \
+            else ()
+        _log_bad(config, split, bad)
+
+        def pad(n: int) -> int:
+            return math.ceil(n / global_b) * global_b - n
+
+        keys = {x.key for x in bad}
+        if config.format == "folder":
+            n, make_reader = _folder_source(config, split, pad, keys)
+        else:
+            n, make_reader = _tfrecord_source(config, split, pad, keys, tfrec)
         steps = math.ceil(n / global_b)
+        reader_args = {"shard_id": ctx.replica_id, "num_shards": n_rep, "name": "Reader"}
     reader = functools.partial(fn.readers.file if config.format == "folder" else fn.readers.tfrecord, **reader_args)
 
-    size = config.image_size
     out_dtype = types.FLOAT16 if config.dtype == "float16" else types.FLOAT
-    # Augmentation differs per replica (identical crops on every replica would correlate them);
-    # the reader's shuffle seed above is the same everywhere.
+    # Augmentation differs per replica (identical crops on every replica would correlate them).
     pipe_seed = (config.seed * 1_000_003 + ctx.replica_id) % (2**31 - 1)
     from nvidia.dali import Pipeline
 
@@ -370,16 +467,21 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
         labels = fn.reshape(fn.cast(labels, dtype=types.INT32), shape=[])
         pipe.set_outputs(images, labels.gpu() if device == "mixed" else labels)
 
-    shape = (b, size, size, 3) if config.layout == "NHWC" else (b, 3, size, size)
     with tf.device(gpu.tf_device or "/cpu:0"):
         ds = dali_tf.DALIDataset(
             pipeline=pipe, batch_size=b, num_threads=config.num_threads, device_id=gpu.cuda_device,
-            output_shapes=(shape, (b,)),
-            output_dtypes=(tf.float16 if config.dtype == "float16" else tf.float32, tf.int32))
-    ds = ds.take(steps)  # DALIDataset never ends: one epoch is `steps` batches
+            output_shapes=(shape, (b,)), output_dtypes=(out_tf_dtype, tf.int32))
+    ds = _finished(ds.take(steps), config, len(bad))  # DALIDataset never ends: one epoch is `steps` batches
+    if scratch is not None:
+        # The reader reads its lists when an iterator starts the pipeline; they go with the dataset.
+        weakref.finalize(ds, shutil.rmtree, scratch, True)
+    return ds
+
+
+def _finished(ds: tf.data.Dataset, config: DataConfig, skipped: int) -> tf.data.Dataset:
     if config.dtype == "bfloat16":
         ds = ds.map(lambda x, y: (tf.cast(x, tf.bfloat16), y))
-    ds.hvrep_skipped = tf.constant(len(bad), tf.int64)
+    ds.hvrep_skipped = tf.constant(skipped, tf.int64)
     return ds
 
 

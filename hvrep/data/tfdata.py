@@ -6,18 +6,20 @@ so only the crop is decoded), resize to ``image_size``, random horizontal
 flip, normalise. Evaluation: resize the shorter side to ``resize_size``,
 center-crop ``image_size``, normalise. The DALI pipeline applies the same.
 
-Sharding (see :func:`tfdata_dataset`): every replica yields the same number
-of batches, so collectives stay in lockstep. Training on a folder (or on
-fewer TFRecord shards than replicas, or a count that does not divide): the
-sample list is shuffled with the same seed on every replica (a new order each
-epoch), then replica r keeps elements r, r+R, ...: within an epoch the
-replicas see distinct samples, ``floor(N / (R*b)) * R * b`` of them.
-Training on TFRecord shards whose count divides by R: replica r reads only
-shard files r, r+R, ... (ImageNet: 1,024 shards), shuffled by file and with a
-record buffer; every replica takes ``min_r floor(records_r / b)`` batches. Evaluation: no
-shuffle; each replica's part is padded to a whole number of batches with
-rows labelled ``PAD_LABEL`` (-1) that carry zero images and must not count,
-so every validation image is counted exactly once.
+Training follows the epoch plan (``hvrep.data.plan``): replica r reads
+exactly its sample ids, in order, and every replica yields the same number
+of batches, so collectives stay in lockstep. A folder: only the replica's
+files are opened. TFRecords: the shards of one group at a time are read
+sequentially into memory (about ``shuffle_buffer`` records; the next group is
+read while this one is consumed) and only the planned records are parsed; by
+the plan's "by file" rule (shard count divisible by R) a replica reads only
+its own shards, by the strided rule every shard. Resuming mid-epoch
+(``position``) drops the trained batches' ids before anything is read; the
+crop and flip of a sample are seeded by the epoch's seed and the sample id,
+so a resumed run (at any world size) augments a sample as the interrupted run
+would have. Evaluation: no shuffle; each replica's part is padded to a whole
+number of batches with rows labelled ``PAD_LABEL`` (-1) that carry zero images
+and must not count, so every validation image is counted exactly once.
 
 Bad JPEGs: a file without JPEG start/end markers (garbage, truncated) fails
 with an error that names it (``on_error="raise"``) or is dropped and counted
@@ -28,12 +30,13 @@ padding row so the count per replica does not change).
 from __future__ import annotations
 
 import math
-from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
-from hvrep.data.files import ShardListing, list_folder, list_shards
+from hvrep.data.files import FolderListing, ShardListing, list_folder, list_shards
+from hvrep.data.plan import EpochPlan, EpochPosition, ReplicaShare, plan_for
 from hvrep.errors import ConfigError
 from hvrep.replica.context import InputContext
 
@@ -102,7 +105,7 @@ def _finish(images: tf.Tensor, config: DataConfig) -> tf.Tensor:
 
 
 def _source(config: DataConfig, split: str, shards: ShardListing | None) -> tuple[tf.data.Dataset, int]:
-    """(data bytes, label, file name) elements in a fixed order, and their count."""
+    """(data bytes, label, file name) elements in listing order, and their count (evaluation)."""
     if shards is None:
         listing = list_folder(config.data_dir, split)
         files = tf.constant(listing.files)
@@ -114,8 +117,67 @@ def _source(config: DataConfig, split: str, shards: ShardListing | None) -> tupl
     return ds, sum(shards.counts)
 
 
+def _listing(config: DataConfig, split: str) -> FolderListing | ShardListing:
+    return list_folder(config.data_dir, split) if config.format == "folder" else list_shards(config.data_dir, split)
+
+
+def tfdata_plan(config: DataConfig, split: str = "train") -> EpochPlan:
+    """The plan :func:`tfdata_dataset` follows when training on ``split``."""
+    return plan_for(config, _listing(config, split))
+
+
+def _planned_files(listing: FolderListing, share: ReplicaShare) -> tf.data.Dataset:
+    """(data bytes, label, file name, id) of the share's files, in order; no other file is opened."""
+    files = np.asarray(listing.files, dtype=object)[share.ids].astype(bytes)
+    labels = np.asarray(listing.labels, np.int32)[share.ids]
+    ds = tf.data.Dataset.from_tensor_slices((files, labels, share.ids))
+    return ds.map(lambda f, y, i: (tf.io.read_file(f), y, f, i), num_parallel_calls=AUTOTUNE, deterministic=True)
+
+
+def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare,
+                     label_offset: int) -> tf.data.Dataset:
+    """(data bytes, label, file name, id) of the share's records, in order.
+
+    A group's shards are read once, sequentially, into memory (about
+    ``shuffle_buffer`` records, as the shuffle buffer held before; the next
+    group is read while this one is consumed); only the planned records are
+    parsed. Groups with no planned record are not read at all.
+    """
+    counts = np.asarray(listing.counts, np.int64)
+    block = plan.block_of(share.ids)
+    cuts = np.flatnonzero(np.diff(share.groups)) + 1
+    files, takes, totals = [], [], []
+    for ids, shards_of in zip(np.split(share.ids, cuts), np.split(block, cuts), strict=True):
+        shards = np.unique(shards_of)
+        base = np.concatenate([[0], np.cumsum(counts[shards])])
+        # Position of each record among the records of this load's shards, read in shard order.
+        takes.append(base[np.searchsorted(shards, shards_of)] + ids - plan.starts[shards_of])
+        files.append(np.asarray([listing.shards[k] for k in shards], dtype=object).astype(bytes))
+        totals.append(base[-1])
+
+    def ragged(parts: list[np.ndarray]) -> tf.RaggedTensor:
+        return tf.RaggedTensor.from_row_lengths(np.concatenate(parts), [len(p) for p in parts])
+
+    loads = tf.data.Dataset.from_tensor_slices((ragged(files), ragged(takes), np.asarray(totals, np.int64),
+                                                ragged(np.split(share.ids, cuts))))
+
+    def load(paths: tf.Tensor, take: tf.Tensor, total: tf.Tensor, ids: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        # The shards are read in parallel; a block as long as the whole load keeps them in shard order.
+        records = tf.data.Dataset.from_tensor_slices(paths).interleave(
+            tf.data.TFRecordDataset, cycle_length=tf.size(paths, tf.int64), block_length=total,
+            num_parallel_calls=AUTOTUNE, deterministic=True).batch(total).get_single_element()
+        return records, take, ids
+
+    def emit(records: tf.Tensor, take: tf.Tensor, ids: tf.Tensor) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((take, ids)).map(lambda t, i: (tf.gather(records, t), i))
+
+    ds = loads.map(load).prefetch(1).flat_map(emit)
+    return ds.map(lambda rec, i: (*_parse_record(rec, label_offset), i), num_parallel_calls=AUTOTUNE,
+                  deterministic=True)
+
+
 def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                   training: bool | None = None) -> tf.data.Dataset:
+                   training: bool | None = None, position: EpochPosition | None = None) -> tf.data.Dataset:
     """One replica's batches of ``(images, labels)`` for one epoch.
 
     Args:
@@ -125,6 +187,8 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         ``per_replica_batch_size``); None: one replica.
       batch_size: per-replica batch when ``ctx`` has none.
       training: augment and shuffle (default: ``split == "train"``).
+      position: training only: where the epoch resumes (see
+        ``hvrep.data.plan``); the batches before it are not read.
 
     Returns:
       A dataset of ``images`` (batch, H, W, 3) or (batch, 3, H, W) in
@@ -134,23 +198,18 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
     ctx, b = replica_batch(ctx, batch_size)
     training = split == "train" if training is None else training
     r, n_rep = ctx.replica_id, ctx.num_replicas
-    shards = list_shards(config.data_dir, split) if config.format == "tfrecord" else None
-    # Replica r reads only shard files r, r+R, ... when they divide evenly.
-    file_sharded = (training and shards is not None and len(shards.shards) >= n_rep
-                    and len(shards.shards) % n_rep == 0)
-    source, n = (None, sum(shards.counts)) if file_sharded else _source(config, split, shards)
     skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_skipped")
     raise_on_bad = config.on_error == "raise"
 
-    def checked(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def checked(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tuple[tf.Tensor, ...]:
         if raise_on_bad:
             with tf.control_dependencies([tf.debugging.Assert(
                     _jpeg_ok(data), ["hvrep: corrupt or truncated JPEG (no start/end marker):", name,
                                      "Fix: replace or delete it, or set on_error='skip'."], summarize=1)]):
                 data = tf.identity(data)
-        return data, label, name
+        return (data, label, name, *rest)
 
-    def keep(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor) -> tf.Tensor:
+    def keep(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tf.Tensor:
         ok = _jpeg_ok(data)
         # Counted when the element is dropped; tf.data runs this eagerly-captured variable's op.
         with tf.control_dependencies([skipped.assign_add(tf.cast(tf.logical_not(ok), tf.int64))]):
@@ -158,38 +217,34 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
 
     size = config.image_size
     if training:
-        if file_sharded:
-            # At ImageNet scale every replica must not read every shard: each reads
-            # its own 1/R of the shard files (records counted from their DALI
-            # indexes), shuffled with a buffer; steps follow the smallest share.
-            files = list(shards.shards[r::n_rep])
-            counts = [sum(shards.counts[k::n_rep]) for k in range(n_rep)]
-            steps = min(c // b for c in counts)
-            ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=config.seed)
-            ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), 8), num_parallel_calls=AUTOTUNE,
-                               deterministic=True)
-            ds = ds.map(lambda rec: _parse_record(rec, config.label_offset), num_parallel_calls=AUTOTUNE)
-            ds = ds.shuffle(min(config.shuffle_buffer, max(counts)), seed=config.seed + r)
+        listing = _listing(config, split)
+        plan = plan_for(config, listing)
+        position = position or EpochPosition()
+        share = plan.share(r, n_rep, b, position)
+        if position.is_start and share.steps == 0:
+            raise ConfigError(f"{plan.num_samples} {split} images cannot fill one global batch of {n_rep} x {b}.")
+        if share.steps == 0:  # resumed at the end of the epoch
+            empty = (tf.zeros([0, b, size, size, 3]), tf.zeros([0, b], tf.int32))
+            return _finished(tf.data.Dataset.from_tensor_slices(empty), config, skipped)
+        if isinstance(listing, FolderListing):
+            ds = _planned_files(listing, share)
         else:
-            steps = n // (n_rep * b)
-            ds = source.shuffle(n, seed=config.seed, reshuffle_each_iteration=True).shard(n_rep, r)
-        if steps == 0:
-            raise ConfigError(f"{n} {split} images cannot fill one global batch of {n_rep} x {b}.")
-        ds = ds.map(checked) if raise_on_bad else ds.filter(keep)
-        # repeat + take: a skipped file is replaced by one from the next epoch, so
-        # every replica still yields exactly `steps` batches.
-        ds = ds.repeat().take(steps * b).enumerate()
-        seed_base = tf.constant([config.seed, r], tf.int64)
+            ds = _planned_records(listing, plan, share, config.label_offset)
+        # A skipped bad file is replaced by one from the start of this replica's share (read
+        # again), so every replica still yields exactly `steps` batches.
+        ds = ds.map(checked) if raise_on_bad else ds.filter(keep).repeat()
+        ds = ds.take(share.steps * b)
 
-        def train_map(i: tf.Tensor, elem: Any) -> tuple[tf.Tensor, tf.Tensor]:
-            data, label, _ = elem
-            seed = tf.stack([seed_base[0] * 1_000_003 + seed_base[1], i])
-            return _train_image(data, seed, config), label
+        def train_map(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor, i: tf.Tensor) -> tuple[tf.Tensor, ...]:
+            # Seeded by the sample: the same crop whatever the world size or the resume point.
+            return _train_image(data, tf.stack([tf.constant(config.seed, tf.int64), i]), config), label
 
         # Deterministic order (still parallel): a resumed run must see the same batches.
         ds = ds.map(train_map, num_parallel_calls=AUTOTUNE, deterministic=True)
         ds = ds.batch(b, drop_remainder=True)
     else:
+        shards = list_shards(config.data_dir, split) if config.format == "tfrecord" else None
+        source, n = _source(config, split, shards)
         mine = len(range(r, n, n_rep))
         padded = math.ceil(math.ceil(n / n_rep) / b) * b  # the same on every replica
         ds = source.shard(n_rep, r)
@@ -208,6 +263,10 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         ds = ds.map(eval_map, num_parallel_calls=AUTOTUNE, deterministic=True)
         pad = tf.data.Dataset.from_tensors((tf.zeros([size, size, 3]), tf.constant(PAD_LABEL, tf.int32)))
         ds = ds.concatenate(pad.repeat(padded - mine)).batch(b, drop_remainder=True)
+    return _finished(ds, config, skipped)
+
+
+def _finished(ds: tf.data.Dataset, config: DataConfig, skipped: tf.Variable) -> tf.data.Dataset:
     ds = ds.map(lambda x, y: (_finish(x, config), y), num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
     ds.hvrep_skipped = skipped
     return ds

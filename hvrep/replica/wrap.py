@@ -10,6 +10,24 @@ import tensorflow as tf
 from hvrep.replica import collectives
 
 
+class AccumulationState(tf.Module):
+    """What a :class:`CrossReplicaOptimizer` carries between updates: the summed gradients and the micro-step.
+
+    A ``tf.Module``, so ``tf.train.Checkpoint(accumulation=state)`` saves and
+    restores it (the training app checkpoints it next to the optimizer).
+
+    Attributes:
+      micro_step: micro-steps taken (int64); an update happens when it reaches a multiple of k.
+      accumulators: per variable, the sum of this replica's gradients since the last update.
+    """
+
+    def __init__(self, variables: list[Any]) -> None:
+        super().__init__(name="hvrep_accumulation")
+        self.micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_micro_step")
+        self.accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="hvrep_grad_accumulator")
+                             for v in variables]
+
+
 class CrossReplicaOptimizer:
     """Wraps a Keras optimizer: ``apply_gradients`` averages the gradients across replicas first.
 
@@ -18,15 +36,23 @@ class CrossReplicaOptimizer:
     micro-batch gradients and updates the variables: k times fewer
     collectives, and the same update as one step on a k-times larger batch
     (when the micro-batches have equal sizes and the loss is a batch mean).
-    Everything else (``learning_rate``, ``iterations``, ``variables``) is the
-    wrapped optimizer's, reachable through ``.inner``.
+    The accumulators and the micro-step (:attr:`accumulation`) are created by
+    :meth:`build` or the first call. Everything else (``learning_rate``,
+    ``iterations``, ``variables``) is the wrapped optimizer's, reachable
+    through ``.inner``.
     """
 
     def __init__(self, optimizer: Any, accumulation_steps: int = 1) -> None:
         self.inner = optimizer
         self.accumulation_steps = accumulation_steps
-        self._accumulators: list[tf.Variable] | None = None
-        self._micro_step: tf.Variable | None = None
+        self.accumulation: AccumulationState | None = None
+
+    def build(self, variables: list[Any]) -> None:
+        """Builds the wrapped optimizer and, with k > 1, the accumulation state (before restoring a checkpoint)."""
+        if not self.inner.built:
+            self.inner.build(variables)
+        if self.accumulation_steps > 1 and self.accumulation is None:
+            self.accumulation = AccumulationState(list(variables))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
@@ -36,27 +62,35 @@ class CrossReplicaOptimizer:
             return self.inner.apply_gradients(zip(grads, variables, strict=True), **kwargs)
         return self._accumulate(grads, variables, **kwargs)
 
+    def average_accumulators(self) -> None:
+        """Inside a replica step: replaces every replica's accumulators by their mean over the replicas.
+
+        The update all-reduces the mean of the accumulators, so it is the same
+        (up to float rounding) after this: the state becomes the same on every
+        replica, one copy of which a checkpoint can hold, valid at any world size.
+        """
+        if self.accumulation is not None:
+            mean = collectives.all_reduce(list(self.accumulation.accumulators), "mean")
+            for acc, m in zip(self.accumulation.accumulators, mean, strict=True):
+                acc.assign(m)
+
     def _accumulate(self, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:
         k = self.accumulation_steps
-        if self._accumulators is None:
-            # Created on the first (traced) call, like Keras' own slots; the
-            # optimizer is built here too, since variables cannot be created inside tf.cond.
-            self._accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                              name="hvrep_grad_accumulator") for v in variables]
-            self._micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_micro_step")
-            if not self.inner.built:
-                self.inner.build(variables)
-        for acc, g in zip(self._accumulators, grads, strict=True):
+        # Created on the first (traced) call if build() was not called, like Keras' own slots; the
+        # optimizer is built here too, since variables cannot be created inside tf.cond.
+        self.build(variables)
+        state = self.accumulation
+        assert state is not None
+        for acc, g in zip(state.accumulators, grads, strict=True):
             if g is not None:
                 acc.assign_add(tf.cast(g, acc.dtype))
-        assert self._micro_step is not None
-        step = self._micro_step.assign_add(1)
+        step = state.micro_step.assign_add(1)
 
         def update() -> tf.Tensor:
             # Every replica reaches the same micro-step, so all take this branch together.
-            mean = collectives.all_reduce([acc / k for acc in self._accumulators], "mean")
+            mean = collectives.all_reduce([acc / k for acc in state.accumulators], "mean")
             self.inner.apply_gradients(zip(mean, variables, strict=True), **kwargs)
-            for acc in self._accumulators:
+            for acc in state.accumulators:
                 acc.assign(tf.zeros_like(acc))
             return tf.constant(True)
 

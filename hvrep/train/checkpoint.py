@@ -157,6 +157,7 @@ class CheckpointManager:
         self.is_chief = bool(is_chief)
         self.keep = keep
         self._names = tuple(trackables)
+        self._trackables = dict(trackables)
 
     def _scan(self) -> list[tuple[int, int, Path]]:
         """(sequence, step, folder) of the complete checkpoints, oldest first."""
@@ -228,7 +229,7 @@ class CheckpointManager:
             self._delete(folder)
         return final
 
-    def restore(self, path: str | os.PathLike | None = None) -> Path | None:
+    def restore(self, path: str | os.PathLike | None = None, without: tuple[str, ...] = ()) -> Path | None:
         """Restores a checkpoint into the trackables given at construction.
 
         Every rank may call this; all read the same folder. See the class
@@ -238,6 +239,8 @@ class CheckpointManager:
 
         Args:
           path: a checkpoint folder; None: ``latest()``.
+          without: names of trackables to leave as they are (e.g. state the
+            saving run did not have).
 
         Returns:
           The folder restored, or None when ``path`` is None and there is no
@@ -265,13 +268,20 @@ class CheckpointManager:
                     f"Cannot restore {folder}: it {why}. Available in {self.directory}: {available}. "
                     "Fix: pass one of those, or path=None for the newest."
                 )
+        unknown = sorted(set(without) - set(self._names))
+        if unknown:
+            raise ConfigError(f"without names {unknown}, which are not among the trackables {list(self._names)}.")
+        checkpoint = tf.train.Checkpoint(**{k: v for k, v in self._trackables.items() if k not in without}) \
+            if without else self._checkpoint
+        names = [k for k in self._names if k not in without]
         try:
-            status = self._checkpoint.read(str(folder / _PREFIX))
+            status = checkpoint.read(str(folder / _PREFIX))
             status.expect_partial()  # extra values in the checkpoint are fine (see docstring)
             status.assert_existing_objects_matched()
-        except (tf.errors.OpError, AssertionError, ValueError) as err:
+        # A truncated data file raises IndexError ("Read less bytes than requested", TF 2.21).
+        except (tf.errors.OpError, AssertionError, ValueError, IndexError) as err:
             raise CheckpointError(
-                f"Could not restore {folder} into {', '.join(self._names)}: {err}. Fix: create the objects as the "
+                f"Could not restore {folder} into {', '.join(names)}: {err}. Fix: create the objects as the "
                 "saving run did (same model architecture, optimizer class and keyword names), or start a new directory."
             ) from err
         return folder

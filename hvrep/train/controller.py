@@ -5,6 +5,12 @@ The controller owns the cadence (``train.log_every``, ``train.eval_every``,
 target accuracy and the stop agreement on signals); the runner (``steps.py``)
 owns the compiled steps. Chief-only actions (writing, printing, saving) were
 decided when the writers were built, so nothing here asks for the rank.
+
+Every checkpoint records where the epoch's data stands: the world size, the
+global batch and the epoch's segments (``hvrep.data.plan``). A run resumed
+at the same size and batch continues the interrupted batches exactly; at
+another size or batch it goes on with the samples the epoch has not trained
+on yet, with the new batch, and says so.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.data import data_errors, make_dataset
+from hvrep.data import EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
+from hvrep.errors import DataError
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
 from hvrep.train.metrics import MetricsWriter
 from hvrep.train.preemption import stop_on_signals
+from hvrep.train.resume import ResumePoint
 from hvrep.train.steps import Runner
 
 
@@ -30,10 +38,6 @@ class LoopState:
     step: tf.Variable
     epoch: tf.Variable
     position: tf.Variable
-
-    def metadata(self, epoch: int | None = None, position: int | None = None) -> dict[str, int]:
-        return {"epoch": int(self.epoch.numpy()) if epoch is None else epoch,
-                "position": int(self.position.numpy()) if position is None else position}
 
 
 class Controller:
@@ -47,10 +51,12 @@ class Controller:
       metrics: metrics.jsonl, TensorBoard and console (chief).
       epochs, steps_per_epoch: the run's length.
       val_images: images in the validation split (for the accuracy's denominator).
+      resumed: the checkpoint restored, or None.
     """
 
     def __init__(self, cfg: RunConfig, runner: Runner, state: LoopState, checkpoints: CheckpointManager,
-                 metrics: MetricsWriter, *, epochs: int, steps_per_epoch: int, val_images: int) -> None:
+                 metrics: MetricsWriter, *, epochs: int, steps_per_epoch: int, val_images: int,
+                 resumed: ResumePoint | None = None) -> None:
         self.cfg = cfg
         self.runner = runner
         self.state = state
@@ -59,6 +65,39 @@ class Controller:
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
         self.val_images = val_images
+        self.resumed = resumed
+
+    def _save(self, epoch: int, segments: list[Segment], train_examples: int) -> None:
+        """Saves on every rank's call (the chief writes), with where the epoch's data stands."""
+        self.runner.prepare_checkpoint()
+        n, gb = self.runner.repl.num_replicas, self.cfg.train.global_batch
+        self.checkpoints.save(int(self.state.step.numpy()), metadata={
+            "epoch": epoch, "position": sum(s.steps for s in segments), "world_size": n, "global_batch": gb,
+            "segments": [s.to_json() for s in segments], "train_examples": train_examples,
+            "accumulation": self.runner.accumulation_record()})
+
+    def _position(self, epoch: int, plan: EpochPlan, segments: list[Segment]) -> tuple[EpochPosition, int]:
+        """Where this epoch's data resumes, and the steps left in it; says when the size or batch changed."""
+        n, gb = self.runner.repl.num_replicas, self.cfg.train.global_batch
+        saved = self.resumed.metadata.get("train_examples") if self.resumed else None
+        if segments and saved is not None and saved != plan.num_samples:
+            raise DataError(
+                f"the checkpoint resumed from was trained on {saved} training samples, but {self.cfg.data.data_dir} "
+                f"holds {plan.num_samples}: the interrupted epoch cannot go on. Fix: resume with the data set it "
+                "was trained on."
+            )
+        at = EpochPosition.resume(segments, n, gb)
+        left = plan.steps(n, gb // n, at) - at.steps
+        if at.done and at.steps == 0:
+            last, trained = at.done[-1], sum(s.steps * s.global_batch for s in at.done)
+            self.metrics.write("resume", int(self.state.step.numpy()), epoch=epoch, trained_samples=trained,
+                               samples=plan.num_samples, replicas=[last.replicas, n],
+                               global_batch=[last.global_batch, gb], rule=plan.rule(n), steps=left)
+            self.metrics.say(
+                f"epoch {epoch + 1} resumes after {trained} of its {plan.num_samples} samples: world size "
+                f"{last.replicas} -> {n}, global batch {last.global_batch} -> {gb}. The samples it has not trained "
+                f"on go on from the next one, dealt {plan.rule(n)} to {n} replica(s): {left} steps of {gb}.")
+        return at, left
 
     def run(self) -> dict[str, Any]:
         """Trains until the last epoch, ``max_steps``, the target accuracy or a signal.
@@ -74,17 +113,23 @@ class Controller:
         summary: dict[str, Any] = {"stopped": "completed"}
         top1 = top5 = float("nan")
         images_per_sec: list[float] = []
+        segments = self.resumed.segments(n, gb) if self.resumed else []
+        train_examples = 0
         with stop_on_signals() as stop:
             epoch = int(state.epoch.numpy())
             while epoch < epochs:
                 position = int(state.position.numpy())
                 epoch_cfg = dataclasses.replace(cfg.data, seed=cfg.data.seed + cfg.train.seed * 1000 + epoch)
+                plan = epoch_plan(epoch_cfg, "train")
+                train_examples = plan.num_samples
+                at, left = self._position(epoch, plan, segments)
+                segment_steps = at.steps
 
-                def train_input(ctx: Any, epoch_cfg: Any = epoch_cfg, position: int = position) -> Any:
-                    # Resuming mid-epoch skips the batches already trained on: the same data in the same order.
-                    return make_dataset(epoch_cfg, "train", ctx).skip(position)
+                def train_input(ctx: Any, epoch_cfg: Any = epoch_cfg, at: EpochPosition = at) -> Any:
+                    # Resuming mid-epoch drops the trained batches before anything is read.
+                    return make_dataset(epoch_cfg, "train", ctx, position=at)
 
-                bar = self.metrics.progress(self.steps_per_epoch, position, f"epoch {epoch + 1}/{epochs}")
+                bar = self.metrics.progress(position + left, position, f"epoch {epoch + 1}/{epochs}")
                 t0, steps_done, loss_sum, correct_sum = time.perf_counter(), 0, 0.0, 0
                 with data_errors(epoch_cfg, "train"):
                     for x, y in repl.distribute_dataset(train_input, global_batch_size=gb):
@@ -92,6 +137,8 @@ class Controller:
                         state.step.assign_add(1)
                         state.position.assign_add(1)
                         steps_done += 1
+                        segment_steps += 1
+                        segments = at.segments(n, gb, segment_steps)
                         step = int(state.step.numpy())
                         # Agree on stopping: a signal may have reached only some ranks.
                         flags = repl.reduce({"stop": tf.constant(int(stop.requested)), "loss": loss,
@@ -107,7 +154,7 @@ class Controller:
                             self.metrics.write("train", step, epoch=epoch, loss=loss_sum / steps_done, lr=lr,
                                                images_per_sec=ips, train_top1=correct_sum / (steps_done * gb))
                         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                            self.checkpoints.save(step, metadata=state.metadata(epoch=epoch))
+                            self._save(epoch, segments, train_examples)
                         if int(flags["stop"]) > 0:
                             summary["stopped"] = "signal"
                             break
@@ -121,9 +168,11 @@ class Controller:
                 if summary["stopped"] in ("signal", "max_steps"):
                     break
                 epoch += 1
+                segments = []
                 state.epoch.assign(epoch)
                 state.position.assign(0)
-                line = {"epoch": epoch, "loss": loss_sum / max(steps_done, 1), "images_per_sec": images_per_sec[-1],
+                line = {"epoch": epoch, "loss": loss_sum / max(steps_done, 1),
+                        "images_per_sec": images_per_sec[-1] if steps_done else 0.0,
                         "train_top1": correct_sum / max(steps_done * gb, 1)}
                 if epoch % cfg.train.eval_every == 0 or epoch == epochs:
                     top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n)
@@ -133,13 +182,13 @@ class Controller:
                 self.metrics.say(f"epoch {epoch}/{epochs}  loss {line['loss']:.4f}  "
                                  f"{line['images_per_sec']:,.0f} images/s{acc}")
                 if epoch % cfg.checkpoint.every_epochs == 0 or epoch == epochs:
-                    self.checkpoints.save(int(state.step.numpy()), metadata={"epoch": epoch, "position": 0})
+                    self._save(epoch, segments, train_examples)
                 target = cfg.train.target_accuracy
                 if target is not None and "top1" in line and top1 >= target:
                     summary["stopped"] = "target_accuracy"
                     summary["time_to_accuracy_sec"] = time.time() - start_time
                     break
             if summary["stopped"] in ("signal", "max_steps"):
-                self.checkpoints.save(int(state.step.numpy()), metadata=state.metadata())
+                self._save(int(state.epoch.numpy()), segments, train_examples)
         summary.update(top1=top1, top5=top5, images_per_sec=images_per_sec, wall_sec=time.time() - start_time)
         return summary

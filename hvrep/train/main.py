@@ -8,8 +8,10 @@ The loop owns what TF-Replicator's users wrote by hand: the replicated step
 (``hvrep.Replicator``), the input pipeline (``hvrep.data``), the large-batch
 recipe, exact global evaluation (top-1/top-5 over all replicas, padding
 excluded), a target accuracy that stops the run, atomic checkpoints of model,
-optimizer, step, epoch and position in the epoch, and a clean stop on SIGTERM /
-SIGUSR1 that every rank agrees on. Only the chief prints, writes TensorBoard
+optimizer (and gradient accumulation), step, epoch and where the epoch's data
+stands (world size, global batch, segments), resuming on every rank from the
+chief's checkpoint (``resume.py``) at the same or another world size, and a
+clean stop on SIGTERM / SIGUSR1 that every rank agrees on. Only the chief prints, writes TensorBoard
 summaries and ``metrics.jsonl``, and saves.
 
 This module builds the run (replicator, data sizes, model, optimizer, state,
@@ -81,6 +83,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     import hvrep
     from hvrep import _env
     from hvrep.data import num_examples, write_demo
+    from hvrep.train import resume as resuming
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.controller import Controller, LoopState
     from hvrep.train.metrics import MetricsWriter
@@ -117,9 +120,15 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
         state = LoopState(step=tf.Variable(0, dtype=tf.int64, trainable=False, name="step"),
                           epoch=tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch"),
                           position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
+    runner = Runner(repl, model, optimizer, num_classes=cfg.model.num_classes, label_smoothing=smoothing,
+                    fp16=cfg.train.precision == "fp16", jit_compile=cfg.train.jit_compile)
+    accumulation = {"accumulation": runner.accumulation} if runner.accumulation is not None else {}
     ckpt = CheckpointManager(out / "checkpoints", is_chief=chief, keep=cfg.checkpoint.keep, model=model,
-                             optimizer=optimizer, step=state.step, epoch=state.epoch, position=state.position)
-    restored = ckpt.restore() if resume else None
+                             optimizer=optimizer, step=state.step, epoch=state.epoch, position=state.position,
+                             **accumulation)
+    # Every rank restores the chief's newest checkpoint, or every rank stops saying why.
+    resumed = resuming.restore(repl, ckpt, cfg.comm.accumulation_steps) if resume else None
+    restored = resumed.folder if resumed else None
 
     # Chief-only output is decided here, once: other ranks get a writer that does nothing.
     metrics = MetricsWriter(out, chief)
@@ -135,10 +144,8 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}), global batch {gb}, {epochs} epochs x "
                 f"{steps_per_epoch} steps, fast path {fast_path}" + (f", resumed from {restored}" if restored else ""))
 
-    runner = Runner(repl, model, optimizer, num_classes=cfg.model.num_classes, label_smoothing=smoothing,
-                    fp16=cfg.train.precision == "fp16", jit_compile=cfg.train.jit_compile)
     result = Controller(cfg, runner, state, ckpt, metrics, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        val_images=val_images).run()
+                        val_images=val_images, resumed=resumed).run()
     rates = result["images_per_sec"]
     summary = {k: result[k] for k in ("stopped", "time_to_accuracy_sec") if k in result}
     summary.update(step=int(state.step.numpy()), epoch=int(state.epoch.numpy()), top1=result["top1"],

@@ -27,6 +27,10 @@ class Runner:
       label_smoothing: of the categorical cross-entropy.
       fp16: scale the loss (the optimizer is a LossScaleOptimizer).
       jit_compile: XLA-compile the forward and backward pass (never the collectives).
+
+    With ``CommConfig.accumulation_steps`` k > 1 (horovod backend) the update
+    goes through ``repl.wrap_optimizer``: k micro-batches per update, built
+    here so that a checkpoint restored afterwards finds the accumulators.
     """
 
     def __init__(self, repl: hvrep.Replicator, model: keras.Model, optimizer: Any, *, num_classes: int,
@@ -34,6 +38,11 @@ class Runner:
         self.repl = repl
         self.model = model
         self.optimizer = optimizer
+        self._applier = None
+        if repl.config.accumulation_steps > 1:
+            self._applier = repl.wrap_optimizer(optimizer)
+            with repl.scope():
+                self._applier.build(model.trainable_variables)
         self.num_classes = num_classes
         self._loss_fn = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=label_smoothing)
         self._fp16 = fp16
@@ -50,8 +59,34 @@ class Runner:
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), tf.int32))
         return loss, grads, correct
 
+    @property
+    def accumulation(self) -> Any:
+        """The gradient-accumulation state to checkpoint (``hvrep.replica.wrap.AccumulationState``), or None."""
+        return self._applier.accumulation if self._applier is not None else None
+
+    def accumulation_record(self) -> dict[str, int]:
+        """What a checkpoint's metadata says about accumulation: ``{"steps": k, "micro_step": m}``."""
+        state = self.accumulation
+        return {"steps": self.repl.config.accumulation_steps,
+                "micro_step": int(state.micro_step.numpy()) if state is not None else 0}
+
+    def prepare_checkpoint(self) -> None:
+        """Call on every rank before saving: pending accumulated gradients become their mean over the replicas.
+
+        Each replica's accumulators hold its own gradients, and the chief saves
+        only its copy; their mean is what the next update all-reduces, the same
+        on every rank and at any world size. The run that saves continues from
+        the mean too, so it and a run resumed from the checkpoint stay identical.
+        """
+        record = self.accumulation_record()
+        if self._applier is not None and record["micro_step"] % record["steps"]:
+            self.repl.run(self._applier.average_accumulators)
+
     def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         loss, grads, correct = self._compute(x, y)
+        if self._applier is not None:
+            self._applier.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+            return loss, correct
         grads = hvrep.all_reduce(grads, "mean")
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
         return loss, correct

@@ -203,6 +203,25 @@ def test_restore_into_a_different_model_names_the_folder(tmp_path):
         CheckpointManager(tmp_path, is_chief=True, model=other).restore()
 
 
+def test_restore_without_leaves_state_the_checkpoint_lacks_alone(tmp_path):
+    State(seed=1).manager(tmp_path).save(1)
+    state, extra = State(seed=2), tf.Variable(7.0)
+    manager = CheckpointManager(tmp_path, is_chief=True, model=state.model, extra=extra)
+    with pytest.raises(CheckpointError, match="ckpt-00000001"):
+        manager.restore()  # `extra` is not in the checkpoint
+    assert manager.restore(without=("extra",)).name == "ckpt-00000001" and float(extra.numpy()) == 7.0
+    _assert_equal([v.numpy() for v in state.model.weights], State(seed=1).values()[:4])
+    with pytest.raises(ConfigError, match=r"without names \['nope'\]"):
+        manager.restore(without=("nope",))
+
+
+def test_a_truncated_data_file_is_a_checkpoint_error_naming_the_folder(tmp_path):
+    folder = State(seed=1).manager(tmp_path).save(1)
+    (folder / "ckpt.data-00000-of-00001").write_bytes(b"\0" * 3)
+    with pytest.raises(CheckpointError, match="ckpt-00000001"):
+        State(seed=2).manager(tmp_path).restore()
+
+
 def test_bad_arguments_are_named(tmp_path):
     state = State(seed=1)
     with pytest.raises(ConfigError, match=r"keep must be an int >= 1.*got 0"):

@@ -55,9 +55,10 @@ def _weights(checkpoint: Path) -> dict[str, np.ndarray]:
 
 
 def test_two_ranks_write_metrics_and_a_checkpoint_then_resume(demo_data, tmp_path):
+    # With 2 micro-batches per update: the checkpoint at step 7 holds one pending micro-batch.
     out = tmp_path / "run"
     common = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.log_every=2"]
-    res = _train([*common, "train.max_steps=6"], ranks=2)
+    res = _train([*common, "train.max_steps=7", "comm.accumulation_steps=2"], ranks=2)
     assert res.returncode == 0, res.stderr[-3000:]
     events = _events(out)
     config = events[0]
@@ -66,18 +67,48 @@ def test_two_ranks_write_metrics_and_a_checkpoint_then_resume(demo_data, tmp_pat
     assert config["fast_path"]["kernels"].startswith("fused (CPU"), config["fast_path"]  # LARS took the fused op
     assert [e["step"] for e in events if e["event"] == "train"] == [2, 4, 6]
     final = events[-1]
-    assert final["event"] == "final" and final["stopped"] == "max_steps" and final["step"] == 6
+    assert final["event"] == "final" and final["stopped"] == "max_steps" and final["step"] == 7
     ckpt = Path(final["checkpoint"])
-    assert ckpt.name == "ckpt-00000006" and read_metadata(ckpt)["position"] == 6
-    assert res.stdout.count("hvrep train: max_steps at step 6") == 1  # only the chief prints
+    assert ckpt.name == "ckpt-00000007"
+    meta = read_metadata(ckpt)
+    assert {k: meta[k] for k in ("position", "world_size", "global_batch", "segments", "accumulation")} == {
+        "position": 7, "world_size": 2, "global_batch": 64, "segments": [[2, 64, 7]],
+        "accumulation": {"steps": 2, "micro_step": 7}}, meta
+    saved = tf.train.load_checkpoint(str(ckpt / "ckpt"))
+    assert saved.get_tensor("accumulation/micro_step/.ATTRIBUTES/VARIABLE_VALUE") == 7
+    assert saved.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 3  # updates at 2, 4, 6
+    assert res.stdout.count("hvrep train: max_steps at step 7") == 1  # only the chief prints
 
-    res = _train([*common, "--resume", "train.max_steps=10"], ranks=2)
+    res = _train([*common, "--resume", "train.max_steps=10", "comm.accumulation_steps=2"], ranks=2)
     assert res.returncode == 0, res.stderr[-3000:]
     events = _events(out)
     resumed = [e for e in events if e["event"] == "config"][-1]
     assert resumed["resumed_from"] == str(ckpt)
     assert [e["step"] for e in events[events.index(resumed):] if e["event"] == "train"] == [8, 10]
     assert events[-1]["step"] == 10
+    ckpt = Path(events[-1]["checkpoint"])
+    assert read_metadata(ckpt)["segments"] == [[2, 64, 10]]
+    assert tf.train.load_checkpoint(str(ckpt / "ckpt")).get_tensor(
+        "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE") == 5
+
+    # On 1 rank, with another global batch and no accumulation (none is pending at step 10): the epoch goes on
+    # with the samples it has not trained on, and says so.
+    res = _train([*common, "--resume", "train.max_steps=13", "train.global_batch=48"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "epoch 1 resumes after 640 of its 1437 samples: world size 2 -> 1, global batch 64 -> 48" in res.stdout
+    events = _events(out)
+    change = [e for e in events if e["event"] == "resume"][-1]
+    assert change["replicas"] == [2, 1] and change["global_batch"] == [64, 48] and change["steps"] == 16, change
+    meta = read_metadata(Path(events[-1]["checkpoint"]))
+    assert meta["segments"] == [[2, 64, 10], [1, 48, 3]] and meta["world_size"] == 1, meta
+    # The samples of the epoch so far: each once; 16 steps of 48 were left after 640 samples.
+    from hvrep.data import EpochPosition, Segment, epoch_plan
+    from hvrep.train import config as configs
+
+    plan = epoch_plan(configs.build("demo", [f"data.data_dir={demo_data}"]).data)
+    trained = plan.trained([Segment.from_json(s) for s in meta["segments"]])
+    assert len(set(trained.tolist())) == len(trained) == 10 * 64 + 3 * 48
+    assert plan.steps(1, 48, EpochPosition((Segment(2, 64, 10),))) == 16 == (1437 - 640) // 48
 
 
 def test_stopped_and_resumed_run_ends_with_the_same_weights(demo_data, tmp_path):

@@ -1,0 +1,55 @@
+"""resume.restore in one process (the in-graph backend, 2 replicas): what it restores and what it refuses.
+
+Ranks that see different checkpoints are in tests/multirank/cases_resume.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+import hvrep
+from hvrep.data import Segment
+from hvrep.errors import CheckpointError
+from hvrep.train import resume
+from hvrep.train.checkpoint import CheckpointManager
+
+
+@pytest.fixture(scope="module")
+def repl() -> hvrep.Replicator:
+    return hvrep.Replicator("local")
+
+
+def test_gather_returns_every_replicas_values_in_order(repl):
+    assert repl.num_replicas == 2
+    assert resume.gather(repl, [3, 4]).tolist() == [[3, 4], [3, 4]]  # one process: the same values
+
+
+def test_restores_the_newest_or_starts_fresh(repl, tmp_path):
+    value = tf.Variable(0.0)
+    manager = CheckpointManager(tmp_path, is_chief=True, value=value)
+    assert resume.restore(repl, manager) is None
+    for step in (4, 6):
+        value.assign(float(step))
+        manager.save(step, metadata={"position": 2})
+    value.assign(0.0)
+    point = resume.restore(repl, manager)
+    assert point is not None and point.step == 6 and float(value.numpy()) == 6.0
+    # A checkpoint from before segments were recorded: its position, at this run's size and batch.
+    assert point.segments(2, 64) == [Segment(2, 64, 2)]
+
+
+@pytest.mark.parametrize(("saved", "now", "without"), [
+    ({"steps": 2, "micro_step": 4}, 1, ()),  # at an update boundary k may change
+    ({"steps": 2, "micro_step": 4}, 4, ("accumulation",)),
+    ({"steps": 1, "micro_step": 0}, 2, ("accumulation",)),  # nothing was accumulated
+    ({"steps": 2, "micro_step": 3}, 2, ()),  # pending, same k: restored as saved
+])
+def test_accumulation_state_is_restored_only_where_it_means_the_same(saved, now, without, tmp_path):
+    assert resume._accumulation_rule({"accumulation": saved}, now, tmp_path) == without
+
+
+def test_pending_micro_batches_need_the_same_accumulation_steps(tmp_path):
+    with pytest.raises(CheckpointError, match=r"micro-step 3 with comm.accumulation_steps=2.*Fix: resume with "
+                                              r"comm.accumulation_steps=2"):
+        resume._accumulation_rule({"accumulation": {"steps": 2, "micro_step": 3}}, 4, tmp_path / "ckpt-00000003")
