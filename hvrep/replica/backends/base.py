@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -58,35 +59,41 @@ def move_bf16_as_bits(x: tf.Tensor, collective: Callable[[tf.Tensor], tf.Tensor]
 _log = logging.getLogger("hvrep")
 
 
-def function_key(fn: Callable[..., Any]) -> Any:
-    """What decides the step ``run`` compiles: the code and what it closes over, not the function object.
+def function_key(fn: Callable[..., Any]) -> tuple[Any, list[Any]]:
+    """What decides the step ``run`` compiles, and the objects that key names by id.
 
-    A fresh ``lambda x: step(x, model)`` each iteration has the same code and
+    The key is the code and what it closes over, not the function object: a
+    fresh ``lambda x: step(x, model)`` each iteration has the same code and
     the same closure contents, so it reuses the compiled step instead of
     retracing (and growing the cache) every time; a lambda over a different
-    value gets its own.
+    value gets its own. The cache keeps the named objects alive, so no other
+    object can take one of their ids while the key is cached (a closure cell
+    can be rebound after the fact, so keeping the function is not enough).
     """
+    if inspect.ismethod(fn):  # a bound method (which also answers __code__): one per (function, instance)
+        key, refs = function_key(fn.__func__)
+        return ("method", key, id(fn.__self__)), [*refs, fn.__self__]
     code = getattr(fn, "__code__", None)
-    if code is None:
-        inner, owner = getattr(fn, "__func__", None), getattr(fn, "__self__", None)
-        if inner is not None and hasattr(inner, "__code__"):  # a bound method: one per (function, instance)
-            return ("method", function_key(inner), id(owner))
-        return ("object", id(fn))
-
-    def content(cell: Any) -> int | None:
+    if code is None or not inspect.isfunction(fn):
+        return ("object", id(fn)), [fn]
+    refs: list[Any] = []
+    cells = []
+    for cell in fn.__closure__ or ():
         try:
-            return id(cell.cell_contents)
+            value = cell.cell_contents
         except ValueError:  # an empty cell
-            return None
-
+            cells.append(None)
+            continue
+        refs.append(value)
+        cells.append(id(value))
     defaults = (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
-    return ("code", code, tuple(content(c) for c in fn.__closure__ or ()), tuple(map(id, defaults)),
-            id(fn.__globals__))
+    refs += [*defaults, fn.__globals__]
+    return ("code", code, tuple(cells), tuple(map(id, defaults)), id(fn.__globals__)), refs
 
 
 class FunctionCache:
     """The compiled steps of ``run``, keyed by :func:`function_key`, at most ``size`` of them (least recently
-    used dropped). An entry keeps its function alive, so the ids in its key cannot be reused while it is cached."""
+    used dropped). An entry holds the objects its key names by id."""
 
     def __init__(self, size: int = 32) -> None:
         self.size = size
@@ -97,13 +104,14 @@ class FunctionCache:
         return len(self._entries)
 
     def entry(self, fn: Callable[..., Any], compile_fn: Callable[[Callable[..., Any]], Any]) -> list[Any]:
-        """``[fn, compiled, state]`` for ``fn``; ``compile_fn(fn)`` builds ``compiled`` on a miss (state None)."""
-        key = function_key(fn)
+        """``[fn, compiled, state, refs]`` for ``fn``; ``compile_fn(fn)`` builds ``compiled`` on a miss (state
+        None)."""
+        key, refs = function_key(fn)
         found = self._entries.get(key)
         if found is not None:
             self._entries.move_to_end(key)
             return found
-        found = [fn, compile_fn(fn), None]
+        found = [fn, compile_fn(fn), None, refs]
         self._entries[key] = found
         self.compiled += 1
         if len(self._entries) > self.size:

@@ -256,3 +256,16 @@ def test_local_replicas_all_reduce_with_nccl_on_gpus_and_through_one_device_on_c
     gpus = ["/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1"]
     assert isinstance(cross_device_ops_for(gpus), tf.distribute.NcclAllReduce)
     assert isinstance(cross_device_ops_for(["/device:CPU:0", "/device:CPU:1"]), tf.distribute.ReductionToOneDevice)
+
+
+def test_bound_methods_of_two_objects_are_two_steps(repl):
+    class Scaler:
+        def __init__(self, k):
+            self.k = k
+
+        def step(self):
+            return tf.constant(self.k)
+
+    a, b = Scaler(1.0), Scaler(5.0)
+    assert float(repl.reduce(repl.run(a.step), "sum")) == 2.0
+    assert float(repl.reduce(repl.run(b.step), "sum")) == 10.0
