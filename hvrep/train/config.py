@@ -101,6 +101,10 @@ class TrainConfig:
       seed: model init, shuffling and augmentation.
       max_steps: stop after this many steps in total (smoke tests); None: no limit.
       log_every: steps between metric lines.
+      steps_per_loop: steps between the loop's host round-trips (Orbit's name; Keras' steps_per_execution):
+        the loss and accuracy are summed on the device and read, with the agreement on stopping (signals),
+        once per loop; loops also end at log, checkpoint and max_steps boundaries. A signal is acted on
+        within this many steps.
     """
 
     global_batch: int = 256
@@ -112,6 +116,7 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None
     log_every: int = 50
+    steps_per_loop: int = 10
 
     def __post_init__(self) -> None:
         _at_least("train.global_batch", self.global_batch, 1)
@@ -124,6 +129,7 @@ class TrainConfig:
         if self.max_steps is not None:
             _at_least("train.max_steps", self.max_steps, 1)
         _at_least("train.log_every", self.log_every, 1)
+        _at_least("train.steps_per_loop", self.steps_per_loop, 1)
 
 
 @dataclass(frozen=True)

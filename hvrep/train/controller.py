@@ -40,6 +40,31 @@ class LoopState:
     position: tf.Variable
 
 
+@dataclasses.dataclass
+class _EpochLoop:
+    """One epoch's counters on the host: the step is counted here, not read back from the device."""
+
+    epoch: int
+    position: int
+    at: EpochPosition
+    segment_steps: int
+    train_examples: int
+    step: int
+    bar: Any
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    steps_done: int = 0
+    in_loop: int = 0  # steps since the last host round-trip
+    loss_sum: float = 0.0
+    correct_sum: int = 0
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+
+    def advance(self) -> None:
+        self.step += 1
+        self.steps_done += 1
+        self.segment_steps += 1
+        self.in_loop += 1
+
+
 class Controller:
     """Runs the epochs of one training run.
 
@@ -99,6 +124,42 @@ class Controller:
                 f"on go on from the next one, dealt {plan.rule(n)} to {n} replica(s): {left} steps of {gb}.")
         return at, left
 
+    def _loop_ends(self, lp: _EpochLoop) -> bool:
+        """A loop ends after ``steps_per_loop`` steps, and at every log, checkpoint and max_steps boundary."""
+        t = self.cfg.train
+        every = self.cfg.checkpoint.every_steps
+        return (lp.in_loop >= t.steps_per_loop or lp.step % t.log_every == 0 or bool(every and lp.step % every == 0)
+                or bool(t.max_steps and lp.step >= t.max_steps))
+
+    def _end_of_loop(self, lp: _EpochLoop, stop: Any) -> str | None:
+        """One host round-trip: the loop's totals and the stop agreement in one reduce, then the actions due at
+        this step. Returns why to stop ("signal", "max_steps"), or None."""
+        cfg, state, repl = self.cfg, self.state, self.runner.repl
+        n, gb = repl.num_replicas, cfg.train.global_batch
+        state.step.assign(lp.step)
+        state.position.assign(lp.position + lp.steps_done)
+        lp.segments = lp.at.segments(n, gb, lp.segment_steps)
+        # Agree on stopping: a signal may have reached only some ranks.
+        flags = repl.reduce({"stop": tf.constant(int(stop.requested)), "totals": self.runner.totals()}, "sum")
+        self.runner.reset_totals()
+        lp.loss_sum += float(flags["totals"][0]) / n
+        lp.correct_sum += int(flags["totals"][1])
+        ips = lp.steps_done * gb / max(time.perf_counter() - lp.t0, 1e-9)
+        lp.bar.set_postfix(loss=f"{lp.loss_sum / lp.steps_done:.3f}", img_s=f"{ips:,.0f}")
+        lp.bar.update(lp.in_loop)
+        lp.in_loop = 0
+        if lp.step % cfg.train.log_every == 0:
+            lr = float(tf.convert_to_tensor(self.runner.optimizer.learning_rate))
+            self.metrics.write("train", lp.step, epoch=lp.epoch, loss=lp.loss_sum / lp.steps_done, lr=lr,
+                               images_per_sec=ips, train_top1=lp.correct_sum / (lp.steps_done * gb))
+        if cfg.checkpoint.every_steps and lp.step % cfg.checkpoint.every_steps == 0:
+            self._save(lp.epoch, lp.segments, lp.train_examples)
+        if int(flags["stop"]) > 0:
+            return "signal"
+        if cfg.train.max_steps and lp.step >= cfg.train.max_steps:
+            return "max_steps"
+        return None
+
     def run(self) -> dict[str, Any]:
         """Trains until the last epoch, ``max_steps``, the target accuracy or a signal.
 
@@ -123,44 +184,29 @@ class Controller:
                 plan = epoch_plan(epoch_cfg, "train")
                 train_examples = plan.num_samples
                 at, left = self._position(epoch, plan, segments)
-                segment_steps = at.steps
 
                 def train_input(ctx: Any, epoch_cfg: Any = epoch_cfg, at: EpochPosition = at) -> Any:
                     # Resuming mid-epoch drops the trained batches before anything is read.
                     return make_dataset(epoch_cfg, "train", ctx, position=at)
 
-                bar = self.metrics.progress(position + left, position, f"epoch {epoch + 1}/{epochs}")
-                t0, steps_done, loss_sum, correct_sum = time.perf_counter(), 0, 0.0, 0
+                lp = _EpochLoop(epoch=epoch, position=position, at=at, segment_steps=at.steps,
+                                train_examples=train_examples, step=int(state.step.numpy()), segments=segments,
+                                bar=self.metrics.progress(position + left, position, f"epoch {epoch + 1}/{epochs}",
+                                                          every=cfg.train.log_every))
+                self.runner.reset_totals()
                 with data_errors(epoch_cfg, "train"):
                     for x, y in repl.distribute_dataset(train_input, global_batch_size=gb):
-                        loss, correct = self.runner.train(x, y)
-                        state.step.assign_add(1)
-                        state.position.assign_add(1)
-                        steps_done += 1
-                        segment_steps += 1
-                        segments = at.segments(n, gb, segment_steps)
-                        step = int(state.step.numpy())
-                        # Agree on stopping: a signal may have reached only some ranks.
-                        flags = repl.reduce({"stop": tf.constant(int(stop.requested)), "loss": loss,
-                                             "correct": correct}, "sum")
-                        loss_sum += float(flags["loss"]) / n
-                        correct_sum += int(flags["correct"])
-                        elapsed = time.perf_counter() - t0
-                        ips = steps_done * gb / max(elapsed, 1e-9)
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss_sum / steps_done:.3f}", img_s=f"{ips:,.0f}")
-                        if step % cfg.train.log_every == 0:
-                            lr = float(tf.convert_to_tensor(self.runner.optimizer.learning_rate))
-                            self.metrics.write("train", step, epoch=epoch, loss=loss_sum / steps_done, lr=lr,
-                                               images_per_sec=ips, train_top1=correct_sum / (steps_done * gb))
-                        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                            self._save(epoch, segments, train_examples)
-                        if int(flags["stop"]) > 0:
-                            summary["stopped"] = "signal"
+                        # The outputs are not read here: the next step is dispatched without waiting on the host.
+                        self.runner.train(x, y)
+                        lp.advance()
+                        if self._loop_ends(lp) and (reason := self._end_of_loop(lp, stop)):
+                            summary["stopped"] = reason
                             break
-                        if cfg.train.max_steps and step >= cfg.train.max_steps:
-                            summary["stopped"] = "max_steps"
-                            break
+                    else:
+                        if lp.in_loop and (reason := self._end_of_loop(lp, stop)):  # the epoch's last, shorter loop
+                            summary["stopped"] = reason
+                segments = lp.segments
+                loss_sum, correct_sum, steps_done, bar, t0 = lp.loss_sum, lp.correct_sum, lp.steps_done, lp.bar, lp.t0
                 bar.close()
                 elapsed = time.perf_counter() - t0
                 if steps_done:

@@ -44,6 +44,12 @@ class Runner:
             with repl.scope():
                 self._applier.build(model.trainable_variables)
         self.num_classes = num_classes
+        # Loss and correct predictions summed on the device over the steps of a loop: the controller reads and
+        # reduces them once per loop, not once per step (each replica adds its own; reading sums the replicas).
+        with repl.scope():
+            self._totals = tf.Variable(tf.zeros([2], tf.float64), trainable=False, name="hvrep_loop_totals",
+                                       synchronization=tf.VariableSynchronization.ON_READ,
+                                       aggregation=tf.VariableAggregation.SUM)
         self._loss_fn = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=label_smoothing)
         self._fp16 = fp16
         # XLA compiles the compute; Horovod's collectives stay outside it (no XLA CPU kernels).
@@ -84,6 +90,7 @@ class Runner:
 
     def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         loss, grads, correct = self._compute(x, y)
+        self._totals.assign_add(tf.stack([tf.cast(loss, tf.float64), tf.cast(correct, tf.float64)]))
         if self._applier is not None:
             self._applier.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
             return loss, correct
@@ -100,8 +107,20 @@ class Runner:
         return tf.stack([tf.reduce_sum(tf.cast(top1, tf.int64)), tf.reduce_sum(tf.cast(top5, tf.int64))])
 
     def train(self, x: Any, y: Any) -> tuple[Any, Any]:
-        """One step on every replica; returns per-replica (loss, correct predictions)."""
+        """One step on every replica; returns per-replica (loss, correct predictions), also added to the totals.
+
+        The controller does not read the outputs (reading would wait for the step): it reads :meth:`totals`
+        once per loop.
+        """
         return self.repl.run(self._train_step, args=(x, y))
+
+    def totals(self) -> tf.Tensor:
+        """This process's [sum of per-replica losses, correct predictions] since :meth:`reset_totals` (in-graph:
+        over all replicas already); reduce with "sum" across processes."""
+        return tf.convert_to_tensor(self._totals)
+
+    def reset_totals(self) -> None:
+        self._totals.assign(tf.zeros([2], tf.float64))
 
     def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int) -> tuple[float, float]:
         """Top-1 and top-5 accuracy over the whole validation split, every image counted once."""
