@@ -80,7 +80,7 @@ from _common import run_id as new_run_id
 
 MiB = 1024 * 1024
 THRESHOLDS = (0, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 128 * MiB)
-DEFAULT_THRESHOLD = hvrep.CommConfig().fusion_threshold_bytes
+DEFAULT_THRESHOLD = 128 * MiB  # hvrep's fused path at its in-graph default bucket size
 COMPRESSIONS = ("none", "fp16")
 REFUSED_COMPRESSION = "bf16"  # the horovod backend refuses it at construction
 WIRE_ITEMSIZE = {"none": 4, "fp16": 2}

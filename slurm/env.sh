@@ -18,9 +18,10 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # export NCCL_SOCKET_IFNAME=ib0
 #
 # Horovod's knobs are deliberately not set: hvrep fills in HOROVOD_FUSION_THRESHOLD and
-# HOROVOD_CYCLE_TIME from its configuration (comm.fusion_threshold_bytes, comm.cycle_time_ms) only
-# when they are unset, so an export here would silently win over the configuration recorded in
-# metrics.jsonl. Change them with overrides instead: comm.fusion_threshold_bytes=67108864.
+# HOROVOD_CYCLE_TIME from its configuration (comm.horovod_fusion_threshold_bytes, comm.cycle_time_ms;
+# None by default: Horovod's own values) only when they are unset, so an export here would silently
+# win over the configuration recorded in metrics.jsonl. Change them with overrides instead:
+# comm.horovod_fusion_threshold_bytes=67108864. (comm.fusion_threshold_bytes is hvrep's own bucket.)
 
 # One OpenMP/oneDNN thread pool per rank sized to the rank's CPUs, not to the whole node (8 ranks
 # each starting a pool of all the node's cores oversubscribe it).

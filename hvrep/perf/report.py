@@ -53,7 +53,8 @@ _NOT_RECORDED = "not recorded"
 # The model table: powers of two from one 8-GPU node to 1,024 GPUs.
 _MODEL_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
 _GPUS_PER_NODE = 8  # DGX/HGX H100
-# hvrep's default fusion threshold (hvrep.config.CommConfig.fusion_threshold_bytes).
+# The fusion buffer the model assumes: hvrep's in-graph bucket, and Horovod's own fusion buffer (its stock
+# HOROVOD_FUSION_THRESHOLD), which the horovod backend leaves the fusing to by default.
 _FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 

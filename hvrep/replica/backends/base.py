@@ -127,6 +127,8 @@ class Backend(abc.ABC):
     """One way to run replicas. Chosen once, at start-up, by the registry."""
 
     name: str = ""
+    # hvrep's bucket size when CommConfig.fusion_threshold_bytes is None (see CommConfig).
+    default_fusion_threshold_bytes: int = 128 * 1024 * 1024
 
     def __init__(self, config: CommConfig) -> None:
         self.config = config
@@ -193,7 +195,7 @@ class Backend(abc.ABC):
                 return reduce_bf16_as_f32(buf, "sum", n, lambda w: self._reduce_wire(w, "sum"))
 
             reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
-                                          self.config.fusion_threshold_bytes, self.config.num_groups,
+                                          self.fusion_threshold_bytes, self.config.num_groups,
                                           wire_dtype=WIRE_DTYPES[self.config.compression],
                                           prescale=1.0 / n if op == "mean" else None)
             for i, r in zip(floats, reduced, strict=True):
@@ -202,6 +204,12 @@ class Backend(abc.ABC):
             if out[i] is None:
                 out[i] = self._reduce_tensor(t, op)
         return out  # type: ignore[return-value]
+
+    @property
+    def fusion_threshold_bytes(self) -> int:
+        """hvrep's bucket size: the config's, or this backend's default."""
+        ft = self.config.fusion_threshold_bytes
+        return self.default_fusion_threshold_bytes if ft is None else ft
 
     def _reduce_tensor(self, t: tf.Tensor, op: str) -> tf.Tensor:
         """One tensor reduced on its own (not floating point, or max/min): one collective."""

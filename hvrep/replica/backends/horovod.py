@@ -117,6 +117,8 @@ def _check_world_size(horovod_size: int) -> None:
 
 class HorovodBackend(Backend):
     name = "horovod"
+    # Each gradient to Horovod as it is produced; Horovod's background thread fuses (CommConfig's docstring).
+    default_fusion_threshold_bytes = 0
 
     def __init__(self, config: CommConfig) -> None:
         super().__init__(config)

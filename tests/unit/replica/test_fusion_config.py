@@ -64,7 +64,7 @@ def test_fused_reduce_casts_to_the_wire_dtype_and_prescales():
 
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
-    ("fusion_threshold_bytes", -1, "fusion_threshold_bytes must be an int >= 0, got -1"),
+    ("fusion_threshold_bytes", -1, "fusion_threshold_bytes must be None (the backend's choice) or an int >= 0, got -1"),
     ("cycle_time_ms", 0, "cycle_time_ms must be None or > 0, got 0"),
     ("horovod_fusion_threshold_bytes", -5, "horovod_fusion_threshold_bytes must be None or an int >= 0, got -5"),
     ("compression", "int8", "compression must be one of ('none', 'fp16', 'bf16'), got 'int8'"),
@@ -78,7 +78,7 @@ def test_comm_config_rejects_bad_values_by_name(field, value, fragment):
 
 def test_comm_config_defaults_leave_horovods_own_settings_alone():
     cfg = CommConfig()
-    assert cfg.fusion_threshold_bytes == 128 * 1024 * 1024
+    assert cfg.fusion_threshold_bytes is None  # the backend's choice: horovod 0, in-graph 128 MiB
     # hvrep's bucket size does not set Horovod's process-wide fusion buffer or cycle time.
     assert cfg.horovod_fusion_threshold_bytes is None and cfg.cycle_time_ms is None
     with pytest.raises(AttributeError):
