@@ -89,7 +89,7 @@ def case_fidelity_keras_loss_object():
 
 def case_fidelity_gradient_accumulation_over_two_micro_batches():
     # 2 replicas x 2 micro-batches of B/2, one all-reduce per 2 micro-steps == 1 replica x 2B.
-    with replicator_with(hvrep.CommConfig(accumulation_steps=2)) as r:
+    with replicator_with(hvrep.CommConfig(accumulation_steps=2, fusion_threshold_bytes=128 << 20)) as r:
         before = r.collective_calls
         got = fidelity.replicated(r, "momentum", init_seed=fidelity.SEED + 1000 * _rank(), wrap=True, micro=2)
         calls = r.collective_calls - before
