@@ -18,17 +18,13 @@ class CommConfig:
         call into contiguous buffers of at most this many bytes (in backward
         order: the last layers' gradients first, so a bucket can go while the
         backward pass still runs) and issues one collective per buffer. 0: one
-        collective per tensor. None (default): the backend's choice. On
-        horovod 0: each gradient goes to Horovod as soon as it exists and
-        Horovod's background thread fuses whatever is ready each cycle (its
-        own ``HOROVOD_FUSION_THRESHOLD`` buffer), which overlaps the backward
-        pass and copies nothing twice; packing everything into one 128 MiB
-        bucket waited for the whole backward pass and ran at 0.79x plain
-        Horovod (README, "Throughput"). In-graph (local, tpu) 128 MiB, which
-        fits all of ResNet-50's fp32 gradients (102 MB) in one buffer: the
-        CPU/NCCL collectives there have no background fusion. hvrep's
-        buckets only: Horovod's own fusion buffer is
-        ``horovod_fusion_threshold_bytes``.
+        collective per tensor (on horovod: each gradient goes to Horovod as
+        soon as it exists and Horovod's background thread fuses what is
+        ready each cycle). None (default): the backend's choice, today 128
+        MiB on every backend, which fits all of ResNet-50's fp32 gradients
+        (102 MB) in one buffer; on horovod it measured no slower than 0
+        (README, "Throughput"). hvrep's buckets only: Horovod's own fusion
+        buffer is ``horovod_fusion_threshold_bytes``.
       horovod_fusion_threshold_bytes: Horovod's process-wide
         ``HOROVOD_FUSION_THRESHOLD`` (its background fusion of the collectives
         in flight). None (default): hvrep does not set it, so Horovod's stock

@@ -170,8 +170,7 @@ def case_fused_path_issues_far_fewer_collectives_than_tensors():
             out = r.run(step)
             calls[name] = r.collective_calls - before
             assert all(np.allclose(o.numpy(), 1.0) for o in out)
-    # The default on horovod hands each tensor to Horovod, whose background thread fuses them.
-    assert calls == {"fused": 1, "unfused": 20, "default": 20, "groups": 3}, calls
+    assert calls == {"fused": 1, "unfused": 20, "default": 1, "groups": 3}, calls
 
 
 def case_fp16_compression_is_within_fp16_precision():
