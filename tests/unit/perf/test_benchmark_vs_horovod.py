@@ -86,7 +86,8 @@ def test_quick_run_launches_both_contenders_alternately(tmp_path):
     assert launches[0]["config"]["orders"] == [["horovod", "hvrep:default"]]
     for r in launches:
         assert r["ok"] and r["error"] is None, r["error"]
-        assert r["images_per_sec"] > 0 and r["best_step_images_per_sec"] >= r["images_per_sec"]
+        # (The best step's rate need not exceed the whole loop's: the ranks' fastest steps need not coincide.)
+        assert r["images_per_sec"] > 0 and r["best_step_images_per_sec"] > 0
         result = r["result"]
         assert result["num_ranks"] == 2 and len(result["per_rank"]) == 2
         assert all(len(p["step_s"]) == 2 and len(p["warmup_s"]) == 1 for p in result["per_rank"])
