@@ -369,8 +369,11 @@ def _print_summary(summaries: Sequence[dict[str, Any]], orders: Sequence[Sequenc
     loads = [load for s in summaries for load in s["loadavg_at_launches"]]
     if loads:
         cpus = os.cpu_count() or 1
-        print(f"load average (1 min) when launches started: {min(loads):.1f}-{max(loads):.1f} on {cpus} CPUs"
-              + (": other processes competed for the CPUs, expect noisy ratios" if max(loads) > cpus else ""))
+        # The 1-minute average still counts the previous launch's ranks, about one per thread.
+        own = config["ranks"] * config["threads_per_rank"]
+        print(f"load average (1 min) when launches started: {min(loads):.1f}-{max(loads):.1f} on {cpus} CPUs, "
+              f"about {own} of it the previous launch's ranks"
+              + (": other processes competed for the CPUs, expect noisy ratios" if max(loads) > cpus + own else ""))
     for s in summaries:
         for e in s["errors"]:
             print(f"{s['contender']} FAILED: {e.splitlines()[0]}")

@@ -112,5 +112,5 @@ def test_quick_run_launches_both_contenders_alternately(tmp_path):
     assert vs["min"] == vs["max"] == pytest.approx(expected)
     for s in summaries.values():
         assert s["rounds_ok"] == 1 and s["images_per_sec"]["median"] > 0 and s["errors"] == []
-        assert s["best_step_images_per_sec"] >= s["images_per_sec"]["median"]
+        assert s["best_step_images_per_sec"] > 0  # not >= the loop rate: see the launch check above
     assert "hvrep:default" in res.stdout and "vs horovod" in res.stdout
