@@ -115,31 +115,30 @@ class _MarkingExtendedMixin:
 
     _hvrep_marks: _Marks
 
+    def _sum_unmarked(self, items: list[Any], value: Callable[[Any], Any],
+                      reduce: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """``reduce`` (a SUM) of the items whose value is not recognised as reduced; the others' values as they
+        are: already the all-replica result on every replica."""
+        marked = [self._hvrep_marks.has(value(i)) for i in items]
+        if not any(marked):
+            return list(reduce(items))
+        rest = iter(reduce([i for i, m in zip(items, marked, strict=True) if not m]) if not all(marked) else [])
+        return [value(i) if m else next(rest) for i, m in zip(items, marked, strict=True)]
+
     def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any, options: Any) -> Any:
-        pairs = list(value_destination_pairs)
         parent = super()._batch_reduce_to  # type: ignore[misc]
         if reduce_op != tf.distribute.ReduceOp.SUM:
-            return parent(reduce_op, pairs, options)
-        marked = [self._hvrep_marks.has(v) for v, _ in pairs]
-        if not any(marked):
-            return parent(reduce_op, pairs, options)
-        rest = iter(parent(reduce_op, [p for p, m in zip(pairs, marked, strict=True) if not m], options)
-                    if not all(marked) else [])
-        # A marked value is already the all-replica result on every replica.
-        return [v if m else next(rest) for (v, _), m in zip(pairs, marked, strict=True)]
+            return parent(reduce_op, value_destination_pairs, options)
+        return self._sum_unmarked(list(value_destination_pairs), lambda pair: pair[0],
+                                  lambda pairs: parent(reduce_op, pairs, options))
 
     def _replica_ctx_all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
         # The path without merge_call (MirroredStrategy under XLA on GPUs): one replica's tensors.
         parent = super()._replica_ctx_all_reduce  # type: ignore[misc]
         if reduce_op != tf.distribute.ReduceOp.SUM:
             return parent(reduce_op, value, options)
-        flat = tf.nest.flatten(value)
-        marked = [self._hvrep_marks.has(v) for v in flat]
-        if not any(marked):
-            return parent(reduce_op, value, options)
-        rest = iter(parent(reduce_op, [v for v, m in zip(flat, marked, strict=True) if not m], options)
-                    if not all(marked) else [])
-        return tf.nest.pack_sequence_as(value, [v if m else next(rest) for v, m in zip(flat, marked, strict=True)])
+        flat = self._sum_unmarked(tf.nest.flatten(value), lambda v: v, lambda vs: parent(reduce_op, vs, options))
+        return tf.nest.pack_sequence_as(value, flat)
 
 
 class _MarkingMirroredExtended(_MarkingExtendedMixin, mirrored_strategy.MirroredExtended):

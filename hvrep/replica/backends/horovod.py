@@ -247,17 +247,23 @@ class HorovodBackend(Backend):
         for v in late:
             self._scope_vars[id(v)] = v
 
-    def _compare_signatures(self, signature: list[str]) -> None:
-        text = "\n".join(signature)
+    def _texts_if_they_differ(self, text: str, kind: str) -> list[str] | None:
+        """None if every rank passed the same ``text`` (one allgather of a digest), else every rank's text."""
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-        digests = self.hvd.allgather(tf.constant([digest], tf.int64), name=self._name("sig")).numpy()
-        if len(set(digests.tolist())) == 1:
-            return
+        digests = self.hvd.allgather(tf.constant([digest], tf.int64), name=self._name(kind)).numpy().tolist()
+        if len(set(digests)) == 1:
+            return None
         blob = np.frombuffer(text.encode(), np.uint8)
-        lengths = self.hvd.allgather(tf.constant([len(blob)], tf.int64), name=self._name("siglen")).numpy()
-        data = self.hvd.allgather(tf.constant(blob), name=self._name("sigdata")).numpy().tobytes()
+        lengths = self.hvd.allgather(tf.constant([len(blob)], tf.int64), name=self._name(f"{kind}len")).numpy()
+        data = self.hvd.allgather(tf.constant(blob), name=self._name(f"{kind}data")).numpy().tobytes()
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        per_rank = [data[offsets[r]:offsets[r + 1]].decode().split("\n") for r in range(len(lengths))]
+        return [data[offsets[r]:offsets[r + 1]].decode() for r in range(len(lengths))]
+
+    def _compare_signatures(self, signature: list[str]) -> None:
+        texts = self._texts_if_they_differ("\n".join(signature), "sig")
+        if texts is None:
+            return
+        per_rank = [t.split("\n") for t in texts]
         mine = int(self.hvd.rank())
         for r, sig in enumerate(per_rank):
             if sig == per_rank[0]:
@@ -329,16 +335,9 @@ class HorovodBackend(Backend):
         site = _call_site()
         shapes = ",".join(f"{tf.as_dtype(getattr(v, 'dtype', np.asarray(v).dtype)).name}{list(np.shape(v))}"
                           for v in tf.nest.flatten(value) if v is not None)
-        text = f"{what} at {site} of {shapes}"
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
-        digests = self.hvd.allgather(tf.constant([digest], tf.int64), name=self._name("call")).numpy().tolist()
-        if len(set(digests)) == 1:
+        calls = self._texts_if_they_differ(f"{what} at {site} of {shapes}", "call")
+        if calls is None:
             return
-        blob = np.frombuffer(text.encode(), np.uint8)
-        lengths = self.hvd.allgather(tf.constant([len(blob)], tf.int64), name=self._name("calllen")).numpy()
-        data = self.hvd.allgather(tf.constant(blob), name=self._name("calldata")).numpy().tobytes()
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        calls = [data[offsets[r]:offsets[r + 1]].decode() for r in range(len(lengths))]
         listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
         raise ReplicaMismatchError(
             f"ranks made different eager collective calls (call #{self._eager_names} of this process): {listing}. "
