@@ -16,10 +16,16 @@ Contenders, the same model, data, loss and optimizer settings:
   per gradient, fused by Horovod's background thread at its stock settings)
   and ``hvd.broadcast_variables`` of the model and the optimizer after the
   first step, which is traced separately (``first_batch`` is a Python bool).
+* ``horovod-keras3``: the same step on Keras 3 (``import keras``), with the
+  tape's per-gradient ``hvd.allreduce`` written out (``DistributedGradientTape``
+  fails on Keras 3 variables): what Horovod's core ops give on the framework
+  hvrep runs on, so the gap to ``horovod`` splits into Keras 3's own cost and hvrep's.
 * ``hvrep``: the replica API on Keras 3: model and optimizer built in
   ``Replicator.scope()`` (which broadcasts them), the step
   ``tape -> grads -> hvrep.all_reduce(grads, "mean") -> apply_gradients``
-  run with ``Replicator.run``, under the ``CommConfig`` given as JSON.
+  run with ``Replicator.run``, under the ``CommConfig`` given as JSON; with
+  ``--batch-norm fused`` the model is ``hvrep.models.with_fused_batch_norm(model)``
+  (TensorFlow's fused batch-norm kernel, as tf_keras used).
 
 Both: one untimed first step (traces; Horovod's broadcast), ``--warmup``
 untimed steps, a barrier, then ``--steps`` timed steps, each timed until this
@@ -46,7 +52,8 @@ if TYPE_CHECKING:
 # this module for its constants, and must not start MPI itself.
 
 RESULT_PREFIX = "VS_HOROVOD_RESULT "
-CONTENDERS = ("horovod", "hvrep")
+CONTENDERS = ("horovod", "horovod-keras3", "hvrep")
+BATCH_NORMS = ("keras", "fused")
 MODELS = ("resnet50", "small")
 NUM_CLASSES = {"resnet50": 1000, "small": 10}
 LEARNING_RATE, MOMENTUM = 0.01, 0.9
@@ -85,17 +92,25 @@ def synthetic_batch(rank: int, seed: int, batch: int, image_size: int, classes: 
 
 
 def horovod_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Tensor], dict[str, Any]]:
-    """Horovod's example step on legacy Keras; returns ``step(first_batch)`` and what to record."""
+    """Horovod's example step on legacy Keras (``horovod``) or on Keras 3 (``horovod-keras3``: the same
+    step, to tell Keras 3's own cost from hvrep's); returns ``step(first_batch)`` and what to record."""
     import horovod
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     hvd.init()
-    keras_module = tf.keras
-    where = keras_module.optimizers.SGD.__module__
-    if not where.startswith("tf_keras"):
-        raise RuntimeError(f"tf.keras.optimizers.SGD comes from {where}, not tf_keras: the horovod contender runs "
-                           "on legacy Keras. Fix: run it with TF_USE_LEGACY_KERAS=1 and tf_keras installed.")
+    legacy = args.contender == "horovod"
+    if legacy:
+        keras_module = tf.keras
+        where = keras_module.optimizers.SGD.__module__
+        if not where.startswith("tf_keras"):
+            raise RuntimeError(f"tf.keras.optimizers.SGD comes from {where}, not tf_keras: the horovod contender "
+                               "runs on legacy Keras. Fix: run it with TF_USE_LEGACY_KERAS=1 and tf_keras installed.")
+        keras_name = f"tf_keras {importlib.metadata.version('tf_keras')}"
+    else:
+        import keras as keras_module
+
+        keras_name = f"keras {keras_module.__version__}"
     tf.random.set_seed(args.seed)
     model = build_model(keras_module, args.model, args.image_size)
     opt = keras_module.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM)
@@ -106,17 +121,24 @@ def horovod_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Ten
     def training_step(images: tf.Tensor, labels: tf.Tensor, first_batch: bool) -> tf.Tensor:
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
+        if legacy:
+            tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+        else:
+            # What DistributedGradientTape does (one hvd.allreduce per gradient, averaged), written out: the
+            # helper itself fails on Keras 3 variables (it calls Variable.ref(), which they lack).
+            grads = [hvd.allreduce(g, op=hvd.Average)
+                     for g in tape.gradient(loss, model.trainable_variables)]
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        # As Horovod's example: after the first step, so the optimizer's slots exist.
+        # As Horovod's example: after the first step, so the optimizer's slots exist
+        # (Keras 3 optimizers have .variables as a property, tf_keras' a method).
         if first_batch:
             hvd.broadcast_variables(model.variables, root_rank=0)
-            hvd.broadcast_variables(opt.variables(), root_rank=0)
+            hvd.broadcast_variables(opt.variables() if callable(opt.variables) else opt.variables, root_rank=0)
         return loss
 
     info = {
-        "framework": {"keras": f"tf_keras {importlib.metadata.version('tf_keras')}", "horovod": horovod.__version__,
+        "framework": {"keras": keras_name, "horovod": horovod.__version__,
                       "horovod_controller": "mpi" if hvd.mpi_enabled() else "gloo"},
         "collectives_per_step": len(model.trainable_variables),
         "collectives_source": "hvd.DistributedGradientTape: one hvd.allreduce per trainable variable "
@@ -142,6 +164,8 @@ def hvrep_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Tenso
     with repl.scope():
         keras.utils.set_random_seed(args.seed)
         model = build_model(keras, args.model, args.image_size)
+        if args.batch_norm == "fused":
+            model = hvrep.models.with_fused_batch_norm(model)
         opt = keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM)
         opt.build(model.trainable_variables)
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
@@ -157,6 +181,7 @@ def hvrep_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Tenso
     info: dict[str, Any] = {
         "framework": {"keras": f"keras {keras.__version__}", "horovod": horovod.__version__,
                       "hvrep": hvrep.__version__, "backend": repl.backend},
+        "batch_norm": args.batch_norm,
         "comm_config": dataclasses.asdict(config),
         "num_ranks": repl.num_replicas,
         "rank": repl.rank,
@@ -183,6 +208,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contender", choices=CONTENDERS, required=True)
     p.add_argument("--comm-config", default="{}", help="hvrep only: CommConfig's keyword arguments, as JSON")
+    p.add_argument("--batch-norm", choices=BATCH_NORMS, default="keras",
+                   help="hvrep only: fused = hvrep.models.with_fused_batch_norm(model)")
     p.add_argument("--model", choices=MODELS, default="resnet50")
     p.add_argument("--batch", type=int, default=8, help="per-rank batch")
     p.add_argument("--image-size", type=int, default=224)
@@ -201,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    make = horovod_contender if args.contender == "horovod" else hvrep_contender
+    make = hvrep_contender if args.contender == "hvrep" else horovod_contender
     step, info = make(args)
     build_s = time.perf_counter() - t0
 

@@ -16,6 +16,8 @@ Contenders (``_vs_horovod_worker.py`` holds both steps):
   use, whose site-packages also lists this venv's (a ``.pth`` file), so
   TensorFlow, Horovod and mpi4py are the very same files; only tf_keras is
   installed there. Nothing is installed into this venv.
+* ``horovod-keras3`` (with ``--horovod-keras3``): the same Horovod step on
+  Keras 3, in this venv: the framework hvrep runs on, without hvrep.
 * ``hvrep:NAME``, one per ``--hvrep NAME=k=v,k=v``: hvrep's step on Keras 3
   (``Replicator(config=CommConfig(k=v, ...))``, model and optimizer in
   ``scope()``, ``hvrep.all_reduce(grads, "mean")``, ``Replicator.run``).
@@ -23,7 +25,10 @@ Contenders (``_vs_horovod_worker.py`` holds both steps):
   fields). ``fusion_threshold_bytes`` is hvrep's own bucket size (0: one
   collective per tensor); Horovod's fusion buffer is
   ``horovod_fusion_threshold_bytes`` (None: Horovod's stock value, as for the
-  ``horovod`` contender). Without ``--hvrep``: ``default=`` alone.
+  ``horovod`` contender). One key is not a CommConfig field: ``bn=fused``
+  builds the model as ``hvrep.models.with_fused_batch_norm(model)`` (``bn=keras``,
+  the default, leaves Keras 3's BatchNormalization). Without ``--hvrep``:
+  ``default=`` alone.
 
 Every launch is one contender on ``--np`` ranks (``mpirun --bind-to none``,
 oversubscribed, ``python -m mpi4py``), each rank with ``--threads-per-rank``
@@ -84,10 +89,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_jsonl, fmt_ratio, percentiles, ratio
 from _common import environment as common_environment
 from _common import run_id as new_run_id
-from _vs_horovod_worker import MODELS, RESULT_PREFIX
+from _vs_horovod_worker import BATCH_NORMS, MODELS, RESULT_PREFIX
 
 WORKER = Path(__file__).resolve().parent / "_vs_horovod_worker.py"
 HOROVOD = "horovod"
+HOROVOD_KERAS3 = "horovod-keras3"
 HVREP_PREFIX = "hvrep:"
 DEFAULT_IMAGE_SIZE = {"resnet50": 224, "small": 32}
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -102,11 +108,13 @@ _ERROR_TAIL = 3000  # characters of a failed launch's output kept in its record
 
 @dataclasses.dataclass(frozen=True)
 class Contender:
-    """One way to run the step: ``horovod``, or hvrep with the CommConfig ``comm_config`` (keyword arguments)."""
+    """One way to run the step: ``horovod``, ``horovod-keras3``, or hvrep with the CommConfig ``comm_config``
+    (keyword arguments) and the batch norm ``batch_norm`` ("keras" or "fused")."""
 
     name: str
-    kind: str  # "horovod" or "hvrep"
+    kind: str  # "horovod", "horovod-keras3" or "hvrep"
     comm_config: dict[str, Any] | None = None
+    batch_norm: str = "keras"
 
 
 # --- --hvrep NAME=k=v,k=v ---------------------------------------------------------------------
@@ -144,14 +152,21 @@ def parse_hvrep(spec: str) -> Contender:
                           "Fix: e.g. --hvrep default= or --hvrep fuse0=fusion_threshold_bytes=0.")
     fields = {f.name: f for f in dataclasses.fields(hvrep.CommConfig)}
     kwargs: dict[str, Any] = {}
+    batch_norm = "keras"
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        if key == "bn" and eq:
+            if value not in BATCH_NORMS:
+                raise ConfigError(f"--hvrep {spec!r}: bn={value!r} is not one of {', '.join(BATCH_NORMS)}. "
+                                  "Fix: bn=fused or bn=keras.")
+            batch_norm = value
+            continue
         if not eq or key not in fields:
             raise ConfigError(f"--hvrep {spec!r}: {item!r} is not FIELD=VALUE with a CommConfig field. "
                               f"Fix: use one of {', '.join(fields)}.")
         kwargs[key] = _coerce(fields[key], value)
     hvrep.CommConfig(**kwargs)  # its own validation, its own message
-    return Contender(HVREP_PREFIX + name, "hvrep", kwargs)
+    return Contender(HVREP_PREFIX + name, "hvrep", kwargs, batch_norm)
 
 
 # --- the legacy-Keras interpreter -------------------------------------------------------------
@@ -233,7 +248,7 @@ def launch_argv(contender: Contender, python: str, args: argparse.Namespace, env
                str(args.batch), "--image-size", str(args.image_size), "--warmup", str(args.warmup), "--steps",
                str(args.steps), "--seed", str(args.seed)]
     if contender.comm_config is not None:
-        command += ["--comm-config", json.dumps(contender.comm_config)]
+        command += ["--comm-config", json.dumps(contender.comm_config), "--batch-norm", contender.batch_norm]
     spec = launch.LaunchSpec(np=args.np, command=tuple(command), launcher="mpirun", overcommit=True,
                              allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
     return launch.build_argv(spec, environ)
@@ -330,12 +345,12 @@ def summarize(contenders: Sequence[Contender], launches: Sequence[dict[str, Any]
             "vs_horovod": None,
         }
         base = ips.get(HOROVOD)
-        if c.kind == "hvrep" and base is not None:
+        if c.kind != HOROVOD and base is not None:
             per_round = [a / b if a is not None and b is not None else None for a, b in zip(mine, base, strict=True)]
             pairs = [(a, b) for a, b in zip(mine, base, strict=True) if a is not None and b is not None]
             both = [r for r in per_round if r is not None]
             rec["vs_horovod"] = {
-                "what": "images/s hvrep / horovod (> 1: hvrep faster), over the rounds where both ran",
+                "what": "images/s this contender / horovod (> 1: faster than horovod), over the rounds where both ran",
                 "per_round": per_round,
                 "min": min(both) if both else None, "max": max(both) if both else None,
                 **(ratio([a for a, _ in pairs], [b for _, b in pairs]) or {}),
@@ -386,6 +401,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hvrep", action="append", default=[], metavar="NAME=k=v,k=v",
                    help="an hvrep contender with CommConfig(k=v, ...); repeatable (default: default=)")
+    p.add_argument("--horovod-keras3", action="store_true",
+                   help="also run Horovod's step on Keras 3 (tells Keras 3's cost from hvrep's)")
     p.add_argument("--rounds", type=int, default=3, help="alternations: every contender once per round (default 3)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per launch (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first, tracing one (default 2)")
@@ -414,7 +431,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     names = [c.name for c in hvreps]
     if len(set(names)) != len(names):
         p.error(f"--hvrep names must differ, got {', '.join(names)}.")
-    args.contenders = [Contender(HOROVOD, HOROVOD), *hvreps]
+    args.contenders = [Contender(HOROVOD, HOROVOD), *([Contender(HOROVOD_KERAS3, HOROVOD_KERAS3)]
+                                                      if args.horovod_keras3 else []), *hvreps]
     return args
 
 
@@ -427,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     contenders: list[Contender] = args.contenders
     by_name = {c.name: c for c in contenders}
-    python = {HOROVOD: str(legacy_python), "hvrep": sys.executable}
+    python = {HOROVOD: str(legacy_python), HOROVOD_KERAS3: sys.executable, "hvrep": sys.executable}
     base_env = _env.environ_snapshot()
     stripped = sorted(k for k in base_env if k.startswith(_STRIPPED_PREFIXES))
     run_id = new_run_id()

@@ -141,6 +141,43 @@ def small_resnet(
     )
 
 
+def with_fused_batch_norm(model: keras.Model) -> keras.Model:
+    """A copy of ``model`` with ``hvrep.layers.FusedBatchNormalization`` for each ``keras.layers.BatchNormalization``.
+
+    For models built elsewhere, e.g. ``keras.applications.ResNet50``: the copy
+    has the same layers, configuration and weights (copied), and computes the
+    same function; it trains faster (see ``FusedBatchNormalization``). Build it
+    inside ``Replicator.scope()`` like any model, so its variables start equal
+    on every replica.
+
+    Args:
+        model: A functional or Sequential Keras model (built).
+
+    Returns:
+        The new model; ``model`` is left as it was.
+
+    Raises:
+        ConfigError: ``model`` is a subclassed model, which Keras cannot clone.
+    """
+    import keras
+
+    from hvrep.layers import FusedBatchNormalization
+
+    def clone(layer: Any) -> Any:
+        kind = FusedBatchNormalization if type(layer) is keras.layers.BatchNormalization else type(layer)
+        return kind.from_config(layer.get_config())
+
+    try:
+        fused = keras.models.clone_model(model, clone_function=clone)
+    except ValueError as e:  # Keras' answer for subclassed models
+        raise ConfigError(
+            f"with_fused_batch_norm needs a functional or Sequential model, got a {type(model).__name__}: {e} "
+            "Fix: build its batch norms as hvrep.layers.FusedBatchNormalization directly."
+        ) from e
+    fused.set_weights(model.get_weights())
+    return fused
+
+
 def resnet50_variable_shapes() -> list[tuple[str, tuple[int, ...]]]:
     """(path, shape) of each of ResNet-50's 161 trainable variables, in model order.
 
@@ -212,6 +249,8 @@ def _build(
 ) -> keras.Model:
     import keras
 
+    from hvrep.layers import FusedBatchNormalization
+
     bn_axis = -1 if data_format == "channels_last" else 1
     layers = keras.layers
 
@@ -238,7 +277,9 @@ def _build(
         )(x)
 
     def bn(x: Any, layer_name: str, zero_gamma: bool = False) -> Any:
-        return layers.BatchNormalization(
+        # TensorFlow's fused kernel when training channels_last: Keras 3's own
+        # layer made a ResNet-50 step about 15% slower (FusedBatchNormalization says where measured).
+        return FusedBatchNormalization(
             axis=bn_axis,
             momentum=_BN_MOMENTUM,
             epsilon=_BN_EPSILON,

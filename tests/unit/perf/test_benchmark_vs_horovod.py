@@ -50,6 +50,10 @@ def test_hvrep_contenders_parse_into_comm_configs():
     assert c.comm_config == {"fusion_threshold_bytes": 4194304, "compression": "fp16",
                              "horovod_fusion_threshold_bytes": None}
     assert bench.parse_hvrep("nocheck=check_first_step=false").comm_config == {"check_first_step": False}
+    fused = bench.parse_hvrep("f=bn=fused,fusion_threshold_bytes=0")
+    assert (fused.batch_norm, fused.comm_config) == ("fused", {"fusion_threshold_bytes": 0})
+    with pytest.raises(ConfigError, match=r"bn='cudnn'.*Fix: bn=fused"):
+        bench.parse_hvrep("x=bn=cudnn")
     with pytest.raises(ConfigError, match="NAME=k=v"):
         bench.parse_hvrep("fusion_threshold_bytes")
     with pytest.raises(ConfigError, match="CommConfig field"):
@@ -74,16 +78,16 @@ def test_launches_strip_horovod_knobs_and_cap_threads():
 def test_quick_run_launches_both_contenders_alternately(tmp_path):
     out = tmp_path / "vs.jsonl"
     cmd = [sys.executable, str(SCRIPT), "--model", "small", "--rounds", "1", "--warmup", "1", "--steps", "2",
-           "--hvrep", "default=", "--timeout", "300", "--out", str(out)]
+           "--hvrep", "default=bn=fused", "--horovod-keras3", "--timeout", "300", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
 
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len({r["run_id"] for r in records}) == 1
     launches = [r for r in records if r["record"] == "launch"]
-    assert [(r["round"], r["position"], r["contender"]) for r in launches] == [(0, 0, "horovod"),
-                                                                                (0, 1, "hvrep:default")]
-    assert launches[0]["config"]["orders"] == [["horovod", "hvrep:default"]]
+    assert [(r["round"], r["position"], r["contender"]) for r in launches] == [
+        (0, 0, "horovod"), (0, 1, "horovod-keras3"), (0, 2, "hvrep:default")]
+    assert launches[0]["config"]["orders"] == [["horovod", "horovod-keras3", "hvrep:default"]]
     for r in launches:
         assert r["ok"] and r["error"] is None, r["error"]
         # (The best step's rate need not exceed the whole loop's: the ranks' fastest steps need not coincide.)
@@ -94,19 +98,25 @@ def test_quick_run_launches_both_contenders_alternately(tmp_path):
         variables = result["worker_env"]["variables"]
         assert not any(k.startswith("HOROVOD_") for k in variables), variables
         assert variables["TF_NUM_INTRAOP_THREADS"] == variables["TF_NUM_INTEROP_THREADS"] == "1"
-    horovod, mine = (r["result"] for r in launches)
+    horovod, keras3, mine = (r["result"] for r in launches)
     assert horovod["framework"]["keras"].startswith("tf_keras ")
     assert horovod["worker_env"]["variables"]["TF_USE_LEGACY_KERAS"] == "1"
     assert "legacy-keras-venv" in horovod["worker_env"]["python"]
     assert mine["framework"]["keras"].startswith("keras 3") and mine["framework"]["backend"] == "horovod"
     assert mine["comm_config"] == dataclasses.asdict(hvrep.CommConfig())
-    assert horovod["collectives_per_step"] == 11  # one hvd.allreduce per trainable variable of the small CNN
+    assert mine["batch_norm"] == "fused"
+    # Horovod's own step on Keras 3, from this venv:
+    assert keras3["framework"]["keras"].startswith("keras 3") and "hvrep" not in keras3["framework"]
+    assert "TF_USE_LEGACY_KERAS" not in keras3["worker_env"]["variables"]
+    assert "legacy-keras-venv" not in keras3["worker_env"]["python"]
+    # one hvd.allreduce per trainable variable of the small CNN
+    assert horovod["collectives_per_step"] == keras3["collectives_per_step"] == 11
 
     summaries = {r["contender"]: r for r in records if r["record"] == "summary"}
-    assert set(summaries) == {"horovod", "hvrep:default"}
+    assert set(summaries) == {"horovod", "horovod-keras3", "hvrep:default"}
     assert summaries["horovod"]["vs_horovod"] is None
     vs = summaries["hvrep:default"]["vs_horovod"]
-    expected = launches[1]["images_per_sec"] / launches[0]["images_per_sec"]
+    expected = launches[2]["images_per_sec"] / launches[0]["images_per_sec"]
     assert vs["per_round"] == [pytest.approx(expected)]
     assert vs["of_medians"] == pytest.approx(expected)
     assert vs["min"] == vs["max"] == pytest.approx(expected)
