@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
 from hvrep.data.config import PAD_LABEL, DataConfig
@@ -18,7 +20,8 @@ from hvrep.replica.context import InputContext
 
 
 def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                 training: bool | None = None, position: EpochPosition | None = None) -> tf.data.Dataset:
+                 training: bool | None = None, position: EpochPosition | None = None,
+                 threads: int | None = None) -> tf.data.Dataset:
     """One replica's ``(images, labels)`` batches for one epoch, from ``config.backend``.
 
     Both backends apply the same augmentation and sharding rules (see
@@ -28,13 +31,17 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     ``PAD_LABEL`` (-1) rows that must not count. A dataset is one epoch and the
     same order each time it is built: pass a config whose ``seed`` changes per
     epoch (``dataclasses.replace(config, seed=base + epoch)``, the same on
-    every replica) for a new shuffle and new augmentation.
+    every replica) for a new shuffle and new augmentation. ``threads``: the
+    pipeline's CPU threads (tf.data's private pool; DALI's ``num_threads``);
+    None: tf.data's shared pool, DALI's ``config.num_threads``.
     """
     if config.backend == "dali":
         from hvrep.data.dali import dali_dataset
 
+        if threads is not None:
+            config = dataclasses.replace(config, num_threads=threads)
         return dali_dataset(config, split, ctx, batch_size, training, position)
-    return tfdata_dataset(config, split, ctx, batch_size, training, position)
+    return tfdata_dataset(config, split, ctx, batch_size, training, position, threads)
 
 
 def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:

@@ -177,7 +177,8 @@ def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare
 
 
 def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                   training: bool | None = None, position: EpochPosition | None = None) -> tf.data.Dataset:
+                   training: bool | None = None, position: EpochPosition | None = None,
+                   threads: int | None = None) -> tf.data.Dataset:
     """One replica's batches of ``(images, labels)`` for one epoch.
 
     Args:
@@ -189,6 +190,8 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
       training: augment and shuffle (default: ``split == "train"``).
       position: training only: where the epoch resumes (see
         ``hvrep.data.plan``); the batches before it are not read.
+      threads: the size of the pipeline's own thread pool; None: tf.data's
+        shared pool, sized for every core.
 
     Returns:
       A dataset of ``images`` (batch, H, W, 3) or (batch, 3, H, W) in
@@ -225,7 +228,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
             raise ConfigError(f"{plan.num_samples} {split} images cannot fill one global batch of {n_rep} x {b}.")
         if share.steps == 0:  # resumed at the end of the epoch
             empty = (tf.zeros([0, b, size, size, 3]), tf.zeros([0, b], tf.int32))
-            return _finished(tf.data.Dataset.from_tensor_slices(empty), config, skipped)
+            return _finished(tf.data.Dataset.from_tensor_slices(empty), config, skipped, threads)
         if isinstance(listing, FolderListing):
             ds = _planned_files(listing, share)
         else:
@@ -263,11 +266,16 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         ds = ds.map(eval_map, num_parallel_calls=AUTOTUNE, deterministic=True)
         pad = tf.data.Dataset.from_tensors((tf.zeros([size, size, 3]), tf.constant(PAD_LABEL, tf.int32)))
         ds = ds.concatenate(pad.repeat(padded - mine)).batch(b, drop_remainder=True)
-    return _finished(ds, config, skipped)
+    return _finished(ds, config, skipped, threads)
 
 
-def _finished(ds: tf.data.Dataset, config: DataConfig, skipped: tf.Variable) -> tf.data.Dataset:
+def _finished(ds: tf.data.Dataset, config: DataConfig, skipped: tf.Variable, threads: int | None
+              ) -> tf.data.Dataset:
     ds = ds.map(lambda x, y: (_finish(x, config), y), num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
+    if threads is not None:
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = threads
+        ds = ds.with_options(options)
     ds.hvrep_skipped = skipped
     return ds
 

@@ -105,6 +105,11 @@ class TrainConfig:
         the loss and accuracy are summed on the device and read, with the agreement on stopping (signals),
         once per loop; loops also end at log, checkpoint and max_steps boundaries. A signal is acted on
         within this many steps.
+      threads: CPU cores per rank. Each rank's TensorFlow intra- and inter-op pools and its tf.data
+        pool get this many threads, and the rank is pinned to that many cores of its own (local rank
+        x threads onward, among the cores it may use) when the node has enough for every local rank.
+        None: TensorFlow's defaults (every rank sizes its pools for every core of the node). The
+        scaling protocol in README gives each rank, and the 1-rank baseline, threads=1.
     """
 
     global_batch: int = 256
@@ -117,6 +122,7 @@ class TrainConfig:
     max_steps: int | None = None
     log_every: int = 50
     steps_per_loop: int = 10
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         _at_least("train.global_batch", self.global_batch, 1)
@@ -130,6 +136,8 @@ class TrainConfig:
             _at_least("train.max_steps", self.max_steps, 1)
         _at_least("train.log_every", self.log_every, 1)
         _at_least("train.steps_per_loop", self.steps_per_loop, 1)
+        if self.threads is not None:
+            _at_least("train.threads", self.threads, 1)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class Controller:
 
                 def train_input(ctx: Any, epoch_cfg: Any = epoch_cfg, at: EpochPosition = at) -> Any:
                     # Resuming mid-epoch drops the trained batches before anything is read.
-                    return make_dataset(epoch_cfg, "train", ctx, position=at)
+                    return make_dataset(epoch_cfg, "train", ctx, position=at, threads=cfg.train.threads)
 
                 lp = _EpochLoop(epoch=epoch, position=position, at=at, segment_steps=at.steps,
                                 train_examples=train_examples, step=int(state.step.numpy()), segments=segments,
@@ -221,7 +221,7 @@ class Controller:
                         "images_per_sec": images_per_sec[-1] if steps_done else 0.0,
                         "train_top1": correct_sum / max(steps_done * gb, 1)}
                 if epoch % cfg.train.eval_every == 0 or epoch == epochs:
-                    top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n)
+                    top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n, cfg.train.threads)
                     line.update(top1=top1, top5=top5)
                 self.metrics.write("epoch", int(state.step.numpy()), **line)
                 acc = f"  val top-1 {top1:.4f} top-5 {top5:.4f}" if "top1" in line else ""

@@ -122,12 +122,14 @@ class Runner:
     def reset_totals(self) -> None:
         self._totals.assign(tf.zeros([2], tf.float64))
 
-    def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int) -> tuple[float, float]:
-        """Top-1 and top-5 accuracy over the whole validation split, every image counted once."""
+    def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int, threads: int | None = None
+                 ) -> tuple[float, float]:
+        """Top-1 and top-5 accuracy over the whole validation split, every image counted once (``threads``:
+        the input pipeline's, as ``make_dataset``'s)."""
         totals = [0, 0]
         with data_errors(data, "val"):
             for x, y in self.repl.distribute_dataset(
-                    lambda ctx: make_dataset(data, "val", ctx, batch_size=per_replica_batch)):
+                    lambda ctx: make_dataset(data, "val", ctx, batch_size=per_replica_batch, threads=threads)):
                 counts = self.repl.reduce(self.repl.run(self._eval_step, args=(x, y)), "sum")
                 totals[0] += int(counts[0])
                 totals[1] += int(counts[1])

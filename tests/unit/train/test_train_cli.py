@@ -187,3 +187,38 @@ def test_fast_path_options_run_and_are_recorded(demo_data, tmp_path, options):
         field = {"data.backend": "input"}.get(key, key.split(".")[1])
         assert str(fast[field]).lower() == value, (field, fast)
     assert all(np.isfinite(e["loss"]) for e in events if e["event"] == "train")
+
+
+def test_threads_caps_the_pools_and_pins_each_local_rank_to_its_own_cores(demo_data, tmp_path):
+    # Pinning is checked in a child process: it must also move threads that already run.
+    probe = """
+import os, threading, time
+from hvrep.train.main import _pin_cores
+allowed = sorted(os.sched_getaffinity(0))
+started = threading.Event()
+worker = threading.Thread(target=lambda: (started.set(), time.sleep(5)), daemon=True)
+worker.start(); started.wait()
+assert _pin_cores(1, 0, len(allowed) + 1) is None  # more local ranks than cores: left alone
+assert sorted(os.sched_getaffinity(0)) == allowed
+cores = _pin_cores(1, 1, 2)
+assert cores == allowed[1:2], (cores, allowed)
+assert sorted(os.sched_getaffinity(0)) == cores
+assert sorted(os.sched_getaffinity(worker.native_id)) == cores
+print("ok")
+"""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("this check needs 2 cores (CI has 2)")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+    out = tmp_path / "threads"
+    res = _train(["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.max_steps=2",
+                  "train.threads=1"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    env = _events(out)[0]["env"]
+    assert env["threads"] == 1 and env["pinned_cores"] == sorted(os.sched_getaffinity(0))[:1], env
+
+
+def test_threads_must_be_positive(tmp_path):
+    res = _train(["--config", "demo", "train.threads=0", "--print-config"])
+    assert res.returncode == 2 and "train.threads must be an integer >= 1, got 0" in res.stderr
