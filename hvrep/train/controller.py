@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -77,12 +78,18 @@ class Controller:
       epochs, steps_per_epoch: the run's length.
       val_images: images in the validation split (for the accuracy's denominator).
       resumed: the checkpoint restored, or None.
+      train_dataset: builds one replica's training batches of an epoch, with
+        ``hvrep.data.make_dataset``'s signature (the default);
+        ``benchmarks/loop_overhead.py`` passes a synthetic one to time the loop
+        without the input pipeline.
     """
 
     def __init__(self, cfg: RunConfig, runner: Runner, state: LoopState, checkpoints: CheckpointManager,
                  metrics: MetricsWriter, *, epochs: int, steps_per_epoch: int, val_images: int,
-                 resumed: ResumePoint | None = None) -> None:
+                 resumed: ResumePoint | None = None,
+                 train_dataset: Callable[..., tf.data.Dataset] = make_dataset) -> None:
         self.cfg = cfg
+        self.train_dataset = train_dataset
         self.runner = runner
         self.state = state
         self.checkpoints = checkpoints
@@ -187,7 +194,7 @@ class Controller:
 
                 def train_input(ctx: Any, epoch_cfg: Any = epoch_cfg, at: EpochPosition = at) -> Any:
                     # Resuming mid-epoch drops the trained batches before anything is read.
-                    return make_dataset(epoch_cfg, "train", ctx, position=at, threads=cfg.train.threads)
+                    return self.train_dataset(epoch_cfg, "train", ctx, position=at, threads=cfg.train.threads)
 
                 lp = _EpochLoop(epoch=epoch, position=position, at=at, segment_steps=at.steps,
                                 train_examples=train_examples, step=int(state.step.numpy()), segments=segments,
