@@ -78,7 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     train_main._limit_threads(cfg.train.threads)
     repl = hvrep.Replicator("auto", config=cfg.comm)
-    cores = train_main._pin_cores(cfg.train.threads, repl.local_rank, repl.local_size)
     demo_root = _env.cache_dir() / "demo-data"
     if repl.is_chief and Path(cfg.data.data_dir).parent == demo_root:
         write_demo(demo_root)
@@ -140,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {
         "benchmark": "loop_overhead", "record": "summary", "run_id": rid, "replicas": n, "backend": repl.backend,
         "global_batch": gb, "steps_per_epoch": steps, "steps_per_loop": cfg.train.steps_per_loop,
-        "log_every": cfg.train.log_every, "threads": cfg.train.threads, "pinned_cores": cores,
+        "log_every": cfg.train.log_every, "threads": cfg.train.threads,
         "images_per_sec_median": med, "overhead_of_medians": 1 - med["loop"] / med["bare"],
         "overhead_per_round": {"median": statistics.median(per_round), "min": min(per_round),
                                "max": max(per_round)},

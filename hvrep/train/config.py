@@ -105,11 +105,10 @@ class TrainConfig:
         the loss and accuracy are summed on the device and read, with the agreement on stopping (signals),
         once per loop; loops also end at log, checkpoint and max_steps boundaries. A signal is acted on
         within this many steps.
-      threads: CPU cores per rank. Each rank's TensorFlow intra- and inter-op pools and its tf.data
-        pool get this many threads, and the rank is pinned to that many cores of its own (local rank
-        x threads onward, among the cores it may use) when the node has enough for every local rank.
-        None: TensorFlow's defaults (every rank sizes its pools for every core of the node). The
-        scaling protocol in README gives each rank, and the 1-rank baseline, threads=1.
+      threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
+        pool get this many. None: TensorFlow's defaults (every rank sizes its pools for every core of
+        the node). The scaling protocol in README gives each rank, and the 1-rank baseline, threads=1.
+        Ranks are not pinned to cores here; a launcher's binding does that (mpirun --bind-to core).
     """
 
     global_batch: int = 256

@@ -89,28 +89,6 @@ def _limit_threads(threads: int | None) -> None:
                          "export TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS instead.") from None
 
 
-def _pin_cores(threads: int | None, local_rank: int, local_size: int) -> list[int] | None:
-    """Pins every thread of this process to its own ``threads`` cores; returns them (None: not pinned).
-
-    Threads started later (tf.data's, Horovod's) inherit the mask. Cores are
-    taken from those the process may use (a Slurm cgroup's, say), local rank
-    by local rank, so ranks on a node never share one.
-    """
-    if threads is None or not hasattr(os, "sched_setaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < threads * local_size:
-        return None
-    cores = allowed[local_rank * threads:(local_rank + 1) * threads]
-    tasks = Path("/proc/self/task")
-    for tid in (int(t.name) for t in tasks.iterdir()) if tasks.is_dir() else [0]:
-        try:
-            os.sched_setaffinity(tid, cores)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
-    return cores
-
-
 def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     """Trains; returns the final summary (the same on every rank)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -133,7 +111,6 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
     repl = hvrep.Replicator("auto", config=cfg.comm)
     chief, n = repl.is_chief, repl.num_replicas
-    cores = _pin_cores(cfg.train.threads, repl.local_rank, repl.local_size)
     out = Path(cfg.output_dir)
     demo_root = _env.cache_dir() / "demo-data"
     if chief and Path(cfg.data.data_dir).parent == demo_root:
@@ -176,7 +153,6 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,
                  "kernels": kernels.status().describe()}
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
-           "pinned_cores": cores,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
                   optimizer=type(getattr(optimizer, "inner_optimizer", optimizer)).__name__, epochs=epochs,
