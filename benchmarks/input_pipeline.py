@@ -235,7 +235,8 @@ def _timed(case: _Case) -> dict[str, float]:
     wall, cpu, busy1 = time.perf_counter() - t0, time.process_time() - cpu0, _proc_stat_busy_s()
     if images <= 0:
         raise RuntimeError(f"a pass of {case.name} produced no images.")
-    out = {"wall_s": wall, "cpu_s": cpu, "images": images, "images_per_s": images / wall}
+    out = {"wall_s": wall, "cpu_s": cpu, "images": images, "images_per_s": images / wall,
+           "images_per_cpu_s": images / cpu if cpu > 0 else math.nan}
     if first is not None:
         out["first_batch_s"] = first
         if wall > first and images > case.details["batch"]:
@@ -345,6 +346,177 @@ def _pipeline_case(backend: str, fmt: str, data_dir: Path, batch: int, cores: in
     return case
 
 
+def _batches(dataset: tf.data.Dataset) -> Callable[[], tuple[int, None]]:
+    """A pass: a new iterator over ``dataset``, counting the rows of its batches."""
+    def run() -> tuple[int, None]:
+        n = 0
+        for x in dataset:
+            n += int(tf.shape(tf.nest.flatten(x)[0])[0])
+        return n, None
+
+    return run
+
+
+def _one_value(x: tf.Tensor) -> tf.Tensor:
+    # A stage's output reduced to one value that needs the whole tensor computed (tf.shape of a
+    # statically shaped tensor would be constant-folded and its producer pruned): what a stage
+    # costs excludes copying its pixels into a batch.
+    return tf.cast(tf.reshape(x, [-1])[0], tf.float32)
+
+
+TFDATA_STAGES = (
+    "read the file (tf.io.read_file)",
+    "+ crop window from the JPEG header (extract_jpeg_shape, stateless_sample_distorted_bounding_box)",
+    "+ decode_and_crop_jpeg",
+    "+ cast to float32, bilinear resize to 224",
+    "+ random flip (stateless, seeded by the sample)",
+    "+ normalise (per image, row-wide constants) and cast/layout",
+    "+ batch the images themselves (until here one value per image), prefetch",
+)
+
+
+def _tfdata_stage_cases(folder: Path, batch: int, cores: int, seed: int) -> list[_Case]:
+    """The training map of ``hvrep.data.tfdata`` built up one step at a time, on the train files.
+
+    Every stage is a tf.data pipeline over the same files (listing order, sample id = position), one
+    parallel map (AUTOTUNE, deterministic, as the pipeline's), then ``batch`` and ``prefetch``; until
+    the last stage each image is reduced to one value, so the batch copies nothing. The steps are
+    the pipeline's own helpers (``_crop_window``, ``_finish``) and ops; ``tests/unit/data/
+    test_data_pixels.py`` pins the pipeline to the same steps.
+    """
+    from hvrep.data.tfdata import _crop_window, _finish
+
+    config = DataConfig(str(folder), image_size=IMAGE_SIZE, seed=seed)
+    files = list_folder(folder, "train").files
+    source = tf.data.Dataset.from_tensor_slices((tf.constant(files), tf.range(len(files), dtype=tf.int64)))
+
+    def upto(stage: int, dct_method: str = "", finish: bool = True) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+        def element(path: tf.Tensor, i: tf.Tensor) -> tf.Tensor:
+            sample_seed = tf.stack([tf.constant(seed, tf.int64), i])
+            data = tf.io.read_file(path)
+            if stage == 1:
+                return tf.cast(tf.strings.length(data), tf.float32)
+            window = _crop_window(data, sample_seed, config)
+            if stage == 2:
+                return tf.cast(window[0], tf.float32)
+            image = tf.io.decode_and_crop_jpeg(data, window, channels=3, dct_method=dct_method)
+            if stage == 3:
+                return _one_value(image)
+            image = tf.image.resize(tf.cast(image, tf.float32), [IMAGE_SIZE, IMAGE_SIZE], method="bilinear")
+            if stage == 4:
+                return _one_value(image)
+            image = tf.image.stateless_random_flip_left_right(image, seed=sample_seed + 1)
+            if stage == 5:
+                return _one_value(image)
+            if finish:
+                image = _finish(image, config)
+            return _one_value(image) if stage == 6 else image
+
+        return element
+
+    def pipeline(fn: Callable[..., tf.Tensor]) -> tf.data.Dataset:
+        return (source.map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                .batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+
+    cases = []
+    for k, adds in enumerate(TFDATA_STAGES, 1):
+        cases.append(_Case(f"stage tfdata folder {k}", "stage", cores,
+                           {"backend": "tfdata", "format": "folder", "stage": k, "adds": adds, "batch": batch},
+                           _batches(pipeline(upto(k)))))
+
+    # Variants of the last stage, measured to choose (and to keep the figures quoted in tfdata.py honest).
+    scale = tf.constant([1.0 / s for s in config.std], tf.float32)
+    shift = tf.constant([-m / s for m, s in zip(config.mean, config.std, strict=True)], tf.float32)
+    before = (source.map(upto(7, finish=False), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+              .batch(batch, drop_remainder=True)
+              .map(lambda x: x * scale + shift, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE))
+    variants = {
+        "normalise per batch, 3-vector constants (the pipeline before)": before,
+        "decode_and_crop_jpeg dct_method=INTEGER_FAST": pipeline(upto(7, dct_method="INTEGER_FAST")),
+    }
+    for name, ds in variants.items():
+        cases.append(_Case(f"variant tfdata: {name}", "variant", cores,
+                           {"backend": "tfdata", "format": "folder", "variant_of": "stage tfdata folder 7",
+                            "batch": batch}, _batches(ds)))
+    return cases
+
+
+def _tfrecord_source_case(records_dir: Path, batch: int, cores: int, seed: int) -> _Case:
+    """Stage 1 of the TFRecord path: the planned records read, taken and parsed (one value per image)."""
+    from hvrep.data.files import list_shards
+    from hvrep.data.plan import EpochPosition
+    from hvrep.data.tfdata import _planned_records, tfdata_plan
+
+    config = DataConfig(str(records_dir), format="tfrecord", image_size=IMAGE_SIZE, seed=seed)
+    plan = tfdata_plan(config)
+    share = plan.share(0, 1, batch, EpochPosition())
+    ds, load = _planned_records(list_shards(records_dir, "train"), plan, share, config.label_offset)
+    ds = (ds.take(share.steps * batch)
+          .map(lambda *e: tf.cast(tf.strings.length(load(*e)[0]), tf.float32), num_parallel_calls=tf.data.AUTOTUNE,
+               deterministic=True)
+          .batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+    adds = ("read the plan's shard group into memory (TFRecordDataset, interleaved), take each planned "
+            "record, parse it (tf.io.parse_single_example)")
+    return _Case("stage tfdata tfrecord 1", "stage", cores,
+                 {"backend": "tfdata", "format": "tfrecord", "stage": 1, "adds": adds, "batch": batch}, _batches(ds))
+
+
+DALI_STAGES = (
+    "read the files (readers.file)",
+    "+ decoders.image_random_crop (CPU)",
+    "+ resize to 224 (bilinear, no antialias)",
+    "+ crop_mirror_normalize (random mirror, normalise, float32 HWC): the whole DALI pipeline",
+)
+
+
+def _dali_stage_cases(folder: Path, batch: int, cores: int, seed: int, images: int) -> list[_Case]:
+    """``hvrep.data.dali``'s training pipeline built up one operator at a time, run with ``Pipeline.run``.
+
+    No TensorFlow here: the difference between the last stage and the ``pipeline dali folder`` case
+    is what ``DALIDataset`` (the TF plugin), the epoch plan's file list and ``make_dataset`` add.
+    """
+    try:
+        from nvidia.dali import Pipeline, fn, types
+    except ImportError as e:
+        return [_Case(f"stage dali folder {k}", "stage", cores, {"backend": "dali", "stage": k}, error=str(e))
+                for k in range(1, len(DALI_STAGES) + 1)]
+    config = DataConfig(str(folder), image_size=IMAGE_SIZE, seed=seed)
+    steps = images // batch
+    cases = []
+    for k, adds in enumerate(DALI_STAGES, 1):
+        pipe = Pipeline(batch_size=batch, num_threads=cores, device_id=None, seed=seed + 1)
+        with pipe:
+            out, _ = fn.readers.file(file_root=str(folder / "train"), name="Reader")
+            if k >= 2:
+                out = fn.decoders.image_random_crop(
+                    out, device="cpu", output_type=types.RGB, random_area=list(config.crop_scale),
+                    random_aspect_ratio=list(config.crop_ratio), num_attempts=10)
+            if k >= 3:
+                out = fn.resize(out, resize_x=IMAGE_SIZE, resize_y=IMAGE_SIZE, antialias=False)
+            if k >= 4:
+                out = fn.crop_mirror_normalize(out, mirror=fn.random.coin_flip(probability=0.5),
+                                               mean=list(config.mean), std=list(config.std), dtype=types.FLOAT,
+                                               output_layout="HWC")
+            pipe.set_outputs(out)
+        details = {"backend": "dali", "format": "folder", "stage": k, "adds": adds, "batch": batch,
+                   "num_threads": cores}
+        try:
+            pipe.build()
+        except Exception as e:  # a broken DALI is reported, the other cases still run
+            cases.append(_Case(f"stage dali folder {k}", "stage", cores, details,
+                               error=f"building: {type(e).__name__}: {e}"[:2000]))
+            continue
+
+        def run(pipe: Any = pipe) -> tuple[int, None]:
+            # The reader runs on across passes (it wraps around the files): steps x batch images a pass.
+            for _ in range(steps):
+                pipe.run()
+            return steps * batch, None
+
+        cases.append(_Case(f"stage dali folder {k}", "stage", cores, details, run))
+    return cases
+
+
 def _check_output(case: _Case, batch: int) -> None:
     """Raises unless the pipeline made what the goal is about: (batch, 224, 224, 3) float32."""
     want = [batch, IMAGE_SIZE, IMAGE_SIZE, 3]
@@ -372,6 +544,7 @@ def _summary(case: _Case) -> dict[str, Any]:
     s.update({k.replace("images_per_s", "images_per_s_per_core"): v / case.threads for k, v in s.items()})
     s["images_per_cpu_s_median"] = float(np.median([p["images"] / p["cpu_s"] for p in case.passes if p["cpu_s"] > 0]
                                                    or [math.nan]))
+    s["cpu_us_per_image_median"] = 1e6 / s["images_per_cpu_s_median"]
     s["cpu_utilisation_median"] = float(np.median([p["cpu_s"] / p["wall_s"] / case.threads for p in case.passes]))
     others = [p["others_cores"] for p in case.passes if "others_cores" in p]
     s["others_cores_median"] = float(np.median(others)) if others else None
@@ -418,6 +591,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"smoke test: {QUICK_IMAGES} images, batch {QUICK_BATCH}, {QUICK_REPEATS} repeat "
                         "(overrides all three)")
     p.add_argument("--seed", type=int, default=0, help="seed of the image crops and the pipelines (default 0)")
+    p.add_argument("--no-stages", action="store_true", help="leave out the stage and variant cases")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="run only the cases whose name contains TEXT (repeatable); decode cases always run")
     args = p.parse_args(argv)
     if args.quick:
         args.images, args.batch, args.repeats = QUICK_IMAGES, QUICK_BATCH, QUICK_REPEATS
@@ -439,6 +615,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for backend in ("tfdata", "dali"):
         for fmt, path in (("folder", folder), ("tfrecord", records_dir)):
             cases.append(_pipeline_case(backend, fmt, path, args.batch, cores, len(files), args.seed))
+    if not args.no_stages:
+        cases += _tfdata_stage_cases(folder, args.batch, cores, args.seed)
+        cases.append(_tfrecord_source_case(records_dir, args.batch, cores, args.seed))
+        cases += _dali_stage_cases(folder, args.batch, cores, args.seed, len(files))
+    if args.only:
+        # Decode cases always run: every ratio is to them.
+        cases = [c for c in cases if c.kind == "decode" or any(o in c.name for o in args.only)]
 
     load_before = os.getloadavg()
     for case in cases:
@@ -469,6 +652,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = {c.name: [p["images_per_s"] for p in c.passes] for c in ok}
     all_core_decodes = [c for c in ok if c.kind == "decode" and c.threads == cores]
     limit = max(all_core_decodes, key=lambda c: float(np.median(rates[c.name])), default=None)
+    cpu_rates = {c.name: [p["images_per_cpu_s"] for p in c.passes] for c in ok}
+    limit_cpu = max(all_core_decodes, key=lambda c: float(np.median(cpu_rates[c.name])), default=None)
 
     run_id = new_run_id()
     config = {
@@ -489,6 +674,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goal": f"pipeline images/s >= {GOAL:.0%} of the decode limit",
         "decode_limit_case": limit.name if limit else None,
         "decode_limit_rule": f"the decode-only case on all {cores} cores with the highest median images/s",
+        "goal_per_cpu_s": f"pipeline images per CPU-second >= {GOAL:.0%} of the CPU decode limit's",
+        "decode_limit_cpu_case": limit_cpu.name if limit_cpu else None,
+        "decode_limit_cpu_rule": f"the decode-only case on all {cores} cores with the highest median images per "
+                                 "CPU-second",
+        "stages": {"tfdata": list(TFDATA_STAGES), "dali": list(DALI_STAGES)},
         "schedule": "every case warmed up with one pass, then timed round-robin (one pass of each case per round)",
         "sync": "CPU eager ops and tf.data/DALI batches are complete when they are returned; nothing is queued",
         "epoch": "decode cases: every train image once; pipelines: one epoch, floor(images / batch) batches, "
@@ -508,6 +698,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary["vs_decode_limit_after_first_batch"] = (
                 ratio(steady, rates[limit.name]) if limit and None not in steady else None)
             summary["vs_decode"] = {c.name: ratio(rates[case.name], rates[c.name]) for c in ok if c.kind == "decode"}
+            summary["per_cpu_s_vs_decode_limit"] = (ratio(cpu_rates[case.name], cpu_rates[limit_cpu.name])
+                                                    if limit_cpu else None)
+            if case.kind == "pipeline" and summary["per_cpu_s_vs_decode_limit"] is not None:
+                summary["meets_goal_per_cpu_s"] = summary["per_cpu_s_vs_decode_limit"]["of_medians"] >= GOAL
+            if case.kind == "stage" and case.details["stage"] > 1:
+                previous = next((r["summary"] for r in out_records if r["summary"] and r["kind"] == "stage"
+                                 and r["backend"] == case.details["backend"] and r["format"] == case.details["format"]
+                                 and r["stage"] == case.details["stage"] - 1), None)
+                if previous is not None:
+                    summary["stage_adds_cpu_us_per_image"] = (summary["cpu_us_per_image_median"]
+                                                              - previous["cpu_us_per_image_median"])
             if case.kind == "pipeline" and summary["vs_decode_limit"] is not None:
                 summary["meets_goal"] = summary["vs_decode_limit"]["of_medians"] >= GOAL
                 after = summary["vs_decode_limit_after_first_batch"]
@@ -548,16 +749,19 @@ def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dic
           f"{env['loadavg_after'][0]:.2f}")
     header = (f"{'case':<38} {'thr':>3} {'img/s median':>12} {'p10':>7} {'p90':>7} {'per core':>8} "
               f"{'img/CPU-s':>9} {'CPU use':>7} {'others':>6}  {'vs decode limit':<20} {'goal':<4} "
-              f"{'after 1st batch: img/s, vs limit':<32}")
+              f"{'per CPU-s vs limit':<20} {'goal':<4} {'after 1st batch: img/s, vs limit':<32}")
     print(header)
     print("-" * len(header))
     for r in records:
+        if r["kind"] in ("stage", "variant"):
+            continue
         s = r["summary"]
         if s is None:
             print(f"{r['case']:<38} {r['threads']:>3} FAILED: {(r['error'] or '')[:300]}")
             continue
         others = "-" if s["others_cores_median"] is None else f"{s['others_cores_median']:.2f}"
         goal = {True: "met", False: "no"}.get(s.get("meets_goal"), "")
+        cpu_goal = {True: "met", False: "no"}.get(s.get("meets_goal_per_cpu_s"), "")
         steady = ""
         if s["images_per_s_after_first_batch_median"] is not None:
             steady = (f"{s['images_per_s_after_first_batch_median']:>7.1f}  "
@@ -565,8 +769,26 @@ def _print_table(records: list[dict[str, Any]], config: dict[str, Any], env: dic
         print(f"{r['case']:<38} {r['threads']:>3} {s['images_per_s_median']:>12.1f} {s['images_per_s_p10']:>7.1f} "
               f"{s['images_per_s_p90']:>7.1f} {s['images_per_s_per_core_median']:>8.1f} "
               f"{s['images_per_cpu_s_median']:>9.1f} {s['cpu_utilisation_median']:>7.0%} {others:>6}  "
-              f"{fmt_ratio(s['vs_decode_limit']):<20} {goal:<4} {steady}")
+              f"{fmt_ratio(s['vs_decode_limit']):<20} {goal:<4} {fmt_ratio(s['per_cpu_s_vs_decode_limit']):<20} "
+              f"{cpu_goal:<4} {steady}")
+    stages = [r for r in records if r["kind"] in ("stage", "variant")]
+    if stages:
+        print()
+        print(f"{'stage breakdown (CPU time per image; ratios per CPU-second)':<70} {'img/CPU-s':>9} {'us/img':>7} "
+              f"{'adds us':>7}  {'vs CPU decode limit':<20} img/s")
+        for r in stages:
+            s = r["summary"]
+            label = f"{r['case']}: {r.get('adds') or ''}"[:70]
+            if s is None:
+                print(f"{label:<70} FAILED: {(r['error'] or '')[:200]}")
+                continue
+            adds = s.get("stage_adds_cpu_us_per_image")
+            print(f"{label:<70} {s['images_per_cpu_s_median']:>9.1f} {s['cpu_us_per_image_median']:>7.0f} "
+                  f"{'' if adds is None else f'{adds:+.0f}':>7}  {fmt_ratio(s['per_cpu_s_vs_decode_limit']):<20} "
+                  f"{s['images_per_s_median']:.1f}")
     print(f"decode limit: {config['decode_limit_case']} ({config['decode_limit_rule']}); goal: {config['goal']}")
+    print(f"CPU decode limit: {config['decode_limit_cpu_case']} ({config['decode_limit_cpu_rule']}); "
+          f"goal per CPU-second: {config['goal_per_cpu_s']}")
     print("ratios: of medians [p10-p90 of per-round ratios]; goal: on the whole epoch. CPU use: process CPU time / "
           "(wall x threads); others: cores busy with other processes meanwhile (median); after 1st batch: the epoch "
           "without iterator start-up and the first batch.")
