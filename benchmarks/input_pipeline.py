@@ -30,6 +30,24 @@ Cases, each run over the whole train split per round:
   iterator start-up (DALI builds its pipeline there) is inside the time and
   reported separately as ``first_batch_s``.
 
+- stages (``--no-stages`` leaves them out): the same work built up one
+  step at a time, to see where the time goes. tf.data, on the JPEG folder:
+  1 read the file; 2 + the crop window from the JPEG header; 3 +
+  ``decode_and_crop_jpeg``; 4 + cast and bilinear resize to 224; 5 + random
+  flip; 6 + normalise/cast; 7 + batching the images themselves (stages 1-6
+  reduce each image to one value, so their batches copy nothing) — the
+  steps and helpers of ``hvrep.data.tfdata``. ``stage tfdata tfrecord 1``:
+  the TFRecord source (the plan's shard group read into memory, each record
+  taken and parsed), to compare with folder stage 1. DALI, on the folder, run
+  with ``Pipeline.run`` (no TensorFlow): 1 reader; 2 +
+  ``decoders.image_random_crop``; 3 + resize; 4 + ``crop_mirror_normalize``
+  (the whole DALI pipeline; ``pipeline dali folder`` adds the TF plugin and
+  the epoch plan's file list);
+- variants of the last stage, measured to choose: normalising per batch
+  (with 3-value constants, as the pipeline did before, and with row-wide
+  ones), resizing the uint8 crop without the cast, ``INTEGER_FAST`` DCT;
+  DALI with 1 thread, ``prefetch_queue_depth=1``, ``use_fast_idct``.
+
 Every case is warmed up with one untimed pass, then the cases are timed
 round-robin, one pass of each per round, so that load from other processes
 drifts over all cases alike and ratios compare passes made side by side.
@@ -39,14 +57,29 @@ decode-only case with the highest median rate in this run.
 Besides wall-clock images/s, each pass records the process's CPU seconds and
 the CPU seconds the rest of the machine used meanwhile (``/proc/stat``): on a
 shared machine images per CPU-second is the steadier measure of cost, and
-``others_cores`` says how much of the machine was not ours.
+``others_cores`` says how much of the machine was not ours. Every case is
+also compared per CPU-second with the *CPU decode limit*: the all-core
+decode-only case with the highest median images per CPU-second (the goal's
+"per core" when the cores are not all ours).
 
 Usage:
     python benchmarks/input_pipeline.py [--images N] [--batch B] [--repeats R] [--out FILE] [--quick]
-                                        [--data-dir DIR]
+                                        [--data-dir DIR] [--no-stages] [--only TEXT ...]
 
 One JSON line per case is appended to ``--out``, all lines of a run sharing
-one ``run_id``; a readable table goes to stdout.
+one ``run_id``; a readable table goes to stdout. Fields: ``case``, ``kind``
+(decode, pipeline, stage, variant), ``threads``, the case's details
+(``backend``, ``format``, ``batch``; stages: ``stage``, ``adds``; variants:
+``variant_of``), ``config``, ``env``, ``warmup`` and ``passes`` (each
+``wall_s``, ``cpu_s``, ``images``, ``images_per_s``, ``images_per_cpu_s``,
+``others_cores``), and ``summary``: ``images_per_s_*`` (median, p10, p90,
+min, max; ``_per_core_`` the same over ``threads``),
+``images_per_cpu_s_median``, ``cpu_us_per_image_median``,
+``vs_decode_limit`` (images/s) and ``per_cpu_s_vs_decode_limit`` (images
+per CPU-second), each ``{of_medians, per_round_p10, per_round_p90}``;
+pipelines: ``meets_goal`` and ``meets_goal_per_cpu_s``; stages after the
+first: ``stage_adds_cpu_us_per_image`` (this stage's CPU time per image
+minus the previous stage's).
 """
 
 from __future__ import annotations
@@ -390,7 +423,8 @@ def _tfdata_stage_cases(folder: Path, batch: int, cores: int, seed: int) -> list
     files = list_folder(folder, "train").files
     source = tf.data.Dataset.from_tensor_slices((tf.constant(files), tf.range(len(files), dtype=tf.int64)))
 
-    def upto(stage: int, dct_method: str = "", finish: bool = True) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    def upto(stage: int, dct_method: str = "", finish: bool = True, cast_first: bool = True
+             ) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
         def element(path: tf.Tensor, i: tf.Tensor) -> tf.Tensor:
             sample_seed = tf.stack([tf.constant(seed, tf.int64), i])
             data = tf.io.read_file(path)
@@ -402,7 +436,8 @@ def _tfdata_stage_cases(folder: Path, batch: int, cores: int, seed: int) -> list
             image = tf.io.decode_and_crop_jpeg(data, window, channels=3, dct_method=dct_method)
             if stage == 3:
                 return _one_value(image)
-            image = tf.image.resize(tf.cast(image, tf.float32), [IMAGE_SIZE, IMAGE_SIZE], method="bilinear")
+            image = tf.image.resize(tf.cast(image, tf.float32) if cast_first else image, [IMAGE_SIZE, IMAGE_SIZE],
+                                    method="bilinear")
             if stage == 4:
                 return _one_value(image)
             image = tf.image.stateless_random_flip_left_right(image, seed=sample_seed + 1)
@@ -430,8 +465,18 @@ def _tfdata_stage_cases(folder: Path, batch: int, cores: int, seed: int) -> list
     before = (source.map(upto(7, finish=False), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
               .batch(batch, drop_remainder=True)
               .map(lambda x: x * scale + shift, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE))
+    wide_scale, wide_shift = tf.tile(scale, [IMAGE_SIZE]), tf.tile(shift, [IMAGE_SIZE])
+
+    def wide(x: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(tf.reshape(x, [-1, IMAGE_SIZE * 3]) * wide_scale + wide_shift, tf.shape(x))
+
+    after_batch = (source.map(upto(7, finish=False), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                   .batch(batch, drop_remainder=True)
+                   .map(wide, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE))
     variants = {
         "normalise per batch, 3-vector constants (the pipeline before)": before,
+        "normalise per batch, row-wide constants": after_batch,
+        "resize the uint8 crop (no cast first)": pipeline(upto(7, cast_first=False)),
         "decode_and_crop_jpeg dct_method=INTEGER_FAST": pipeline(upto(7, dct_method="INTEGER_FAST")),
     }
     for name, ds in variants.items():
@@ -483,14 +528,21 @@ def _dali_stage_cases(folder: Path, batch: int, cores: int, seed: int, images: i
     config = DataConfig(str(folder), image_size=IMAGE_SIZE, seed=seed)
     steps = images // batch
     cases = []
-    for k, adds in enumerate(DALI_STAGES, 1):
-        pipe = Pipeline(batch_size=batch, num_threads=cores, device_id=None, seed=seed + 1)
+    full = len(DALI_STAGES)
+    # (name, kind, stage, what it adds or changes, Pipeline arguments, decoder arguments)
+    plans = [(f"stage dali folder {k}", "stage", k, adds, {}, {}) for k, adds in enumerate(DALI_STAGES, 1)] + [
+        ("variant dali: num_threads=1", "variant", full, "", {"num_threads": 1}, {}),
+        ("variant dali: prefetch_queue_depth=1", "variant", full, "", {"prefetch_queue_depth": 1}, {}),
+        ("variant dali: decoder use_fast_idct=True", "variant", full, "", {}, {"use_fast_idct": True}),
+    ]
+    for name, kind, k, adds, pipe_args, decoder_args in plans:
+        pipe = Pipeline(batch_size=batch, device_id=None, seed=seed + 1, **{"num_threads": cores, **pipe_args})
         with pipe:
             out, _ = fn.readers.file(file_root=str(folder / "train"), name="Reader")
             if k >= 2:
                 out = fn.decoders.image_random_crop(
                     out, device="cpu", output_type=types.RGB, random_area=list(config.crop_scale),
-                    random_aspect_ratio=list(config.crop_ratio), num_attempts=10)
+                    random_aspect_ratio=list(config.crop_ratio), num_attempts=10, **decoder_args)
             if k >= 3:
                 out = fn.resize(out, resize_x=IMAGE_SIZE, resize_y=IMAGE_SIZE, antialias=False)
             if k >= 4:
@@ -498,13 +550,13 @@ def _dali_stage_cases(folder: Path, batch: int, cores: int, seed: int, images: i
                                                mean=list(config.mean), std=list(config.std), dtype=types.FLOAT,
                                                output_layout="HWC")
             pipe.set_outputs(out)
-        details = {"backend": "dali", "format": "folder", "stage": k, "adds": adds, "batch": batch,
-                   "num_threads": cores}
+        details = {"backend": "dali", "format": "folder", "batch": batch, "num_threads": cores, **pipe_args,
+                   **decoder_args, **({"stage": k, "adds": adds} if kind == "stage" else
+                                      {"variant_of": f"stage dali folder {full}"})}
         try:
             pipe.build()
         except Exception as e:  # a broken DALI is reported, the other cases still run
-            cases.append(_Case(f"stage dali folder {k}", "stage", cores, details,
-                               error=f"building: {type(e).__name__}: {e}"[:2000]))
+            cases.append(_Case(name, kind, cores, details, error=f"building: {type(e).__name__}: {e}"[:2000]))
             continue
 
         def run(pipe: Any = pipe) -> tuple[int, None]:
@@ -513,7 +565,7 @@ def _dali_stage_cases(folder: Path, batch: int, cores: int, seed: int, images: i
                 pipe.run()
             return steps * batch, None
 
-        cases.append(_Case(f"stage dali folder {k}", "stage", cores, details, run))
+        cases.append(_Case(name, kind, cores, details, run))
     return cases
 
 
