@@ -28,10 +28,10 @@ padding row so the count per replica does not change).
 
 Cost (``benchmarks/input_pipeline.py``, stage cases): a training sample is
 one map — read or parse, check, crop window, decode the crop, resize, flip,
-normalise and cast — and the batch only collects finished images. Decoding
-the crop is most of it; the resize is next; normalising per image, with
-row-wide constants, costs a few percent (it was a third of the time per
-batch with 3-value constants). The pixels are pinned bit for bit by
+normalise and cast — and the batch only collects finished images. Of ~800 us
+of CPU per image (438x380 JPEGs; a full decode alone is ~630), decoding the
+crop is ~460, the resize ~150, read + window ~75, flip, normalise and the
+batch copy ~40 each. The pixels are pinned bit for bit by
 ``tests/unit/data/test_data_pixels.py``.
 """
 
@@ -77,11 +77,13 @@ def _normalise(image: tf.Tensor, config: DataConfig) -> tf.Tensor:
 
     Per image, right after its resize (the pixels are still in cache), and with
     the per-channel constants tiled to a whole row (W x 3 values) over rows of
-    the image: broadcasting a 3-vector along a 3-wide innermost axis is done
-    element by element by Eigen, 532 us per 224x224 image vs 146 us for the
-    row form (the same products and sums, bit for bit). Per batch with the
-    3-vector this was ~35% of the training pipeline's CPU time; see
-    benchmarks/input_pipeline.py's stage cases.
+    the image: Eigen broadcasts a 3-vector along a 3-wide innermost axis
+    element by element (eager, a batch of 64: 532 us per 224x224 image vs 146
+    us in the row form; the same products and sums, bit for bit). Done per
+    batch with the 3-vector, as before, the training pipeline cost 1236 us of
+    CPU per image; now 799, normalising 51 of it (benchmarks/input_pipeline.py:
+    its variant "normalise per batch, 3-vector constants" vs stage 7; per batch
+    with row-wide constants: 847).
     """
     size = config.image_size
     scale = tf.constant([1.0 / s for s in config.std] * size, tf.float32)
@@ -101,8 +103,9 @@ def _crop_window(data: tf.Tensor, seed: tf.Tensor, config: DataConfig) -> tf.Ten
 
 def _train_image(data: tf.Tensor, seed: tf.Tensor, config: DataConfig) -> tf.Tensor:
     image = tf.io.decode_and_crop_jpeg(data, _crop_window(data, seed, config), channels=3)
-    # ResizeBilinear is faster on float32 input than on uint8, the cast included (eager, one thread:
-    # 378 vs 411 us per crop of ~0.56 of a 438x380 JPEG to 224x224); the result is bit for bit the same.
+    # ResizeBilinear is faster on float32 input than on uint8, the cast included: the training map costs
+    # 799 vs 940 us of CPU per image (benchmarks/input_pipeline.py, stage 7 vs its uint8 variant); the
+    # result is bit for bit the same.
     image = tf.image.resize(tf.cast(image, tf.float32), [config.image_size, config.image_size], method="bilinear")
     if config.flip:
         image = tf.image.stateless_random_flip_left_right(image, seed=seed + 1)
@@ -276,8 +279,8 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
 
         if raise_on_bad:
             # One map does everything for a sample (read or parse, check, crop, decode, resize, flip,
-            # normalise): every extra map stage costs a hand-over between threads per element; fusing
-            # the read into this map saved ~12% of the pipeline's CPU time (benchmarks/input_pipeline.py).
+            # normalise): a map stage of its own for the read cost 859 vs 815 us of CPU per image
+            # (benchmarks/input_pipeline.py, variant "read in a map of its own" vs stage 7).
             ds = ds.take(share.steps * b)
 
             def train_map(*element: tf.Tensor) -> tuple[tf.Tensor, ...]:
