@@ -25,11 +25,20 @@ Bad JPEGs: a file without JPEG start/end markers (garbage, truncated) fails
 with an error that names it (``on_error="raise"``) or is dropped and counted
 in ``dataset.hvrep_skipped`` (``"skip"``; evaluation replaces it with a
 padding row so the count per replica does not change).
+
+Cost (``benchmarks/input_pipeline.py``, stage cases): a training sample is
+one map — read or parse, check, crop window, decode the crop, resize, flip,
+normalise and cast — and the batch only collects finished images. Of ~800 us
+of CPU per image (438x380 JPEGs; a full decode alone is ~630), decoding the
+crop is ~460, the resize ~150, read + window ~75, flip, normalise and the
+batch copy ~40 each. The pixels are pinned bit for bit by
+``tests/unit/data/test_data_pixels.py``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -41,6 +50,8 @@ from hvrep.errors import ConfigError
 from hvrep.replica.context import InputContext
 
 AUTOTUNE = tf.data.AUTOTUNE
+# A training source's element -> (JPEG bytes, label, file name, sample id).
+_Load = Callable[..., tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]]
 
 
 def _jpeg_ok(data: tf.Tensor) -> tf.Tensor:
@@ -61,23 +72,41 @@ def _parse_record(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.T
     return parsed["image/encoded"], label, parsed["image/filename"]
 
 
-def _normalise(images: tf.Tensor, config: DataConfig) -> tf.Tensor:
-    # One multiply-add over the whole batch (after batching, not per image):
-    # per-element float ops in the map were the pipeline's largest CPU cost.
-    scale = tf.constant([1.0 / s for s in config.std], tf.float32)
-    shift = tf.constant([-m / s for m, s in zip(config.mean, config.std, strict=True)], tf.float32)
-    return tf.cast(images, tf.float32) * scale + shift
+def _normalise(image: tf.Tensor, config: DataConfig) -> tf.Tensor:
+    """``image * (1 / std) + (-mean / std)`` in float32, for one (image_size, image_size, 3) image.
+
+    Per image, right after its resize (the pixels are still in cache), and with
+    the per-channel constants tiled to a whole row (W x 3 values) over rows of
+    the image: Eigen broadcasts a 3-vector along a 3-wide innermost axis
+    element by element (eager, a batch of 64: 532 us per 224x224 image vs 146
+    us in the row form; the same products and sums, bit for bit). Done per
+    batch with the 3-vector, as before, the training pipeline cost 1236 us of
+    CPU per image; now 799, normalising 51 of it (benchmarks/input_pipeline.py:
+    its variant "normalise per batch, 3-vector constants" vs stage 7; per batch
+    with row-wide constants: 847).
+    """
+    size = config.image_size
+    scale = tf.constant([1.0 / s for s in config.std] * size, tf.float32)
+    shift = tf.constant([-m / s for m, s in zip(config.mean, config.std, strict=True)] * size, tf.float32)
+    rows = tf.reshape(tf.cast(image, tf.float32), [size, size * 3])
+    return tf.reshape(rows * scale + shift, [size, size, 3])
+
+
+def _crop_window(data: tf.Tensor, seed: tf.Tensor, config: DataConfig) -> tf.Tensor:
+    """[top, left, height, width] of the random-resized-crop, from the JPEG header alone."""
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.io.extract_jpeg_shape(data), bounding_boxes=tf.zeros([1, 0, 4]), seed=seed, min_object_covered=0.0,
+        aspect_ratio_range=config.crop_ratio, area_range=config.crop_scale, max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    return tf.stack([begin[0], begin[1], size[0], size[1]])
 
 
 def _train_image(data: tf.Tensor, seed: tf.Tensor, config: DataConfig) -> tf.Tensor:
-    shape = tf.io.extract_jpeg_shape(data)
-    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-        shape, bounding_boxes=tf.zeros([1, 0, 4]), seed=seed, min_object_covered=0.0,
-        aspect_ratio_range=config.crop_ratio, area_range=config.crop_scale, max_attempts=10,
-        use_image_if_no_bounding_boxes=True)
-    window = tf.stack([begin[0], begin[1], size[0], size[1]])
-    image = tf.io.decode_and_crop_jpeg(data, window, channels=3)
-    image = tf.image.resize(image, [config.image_size, config.image_size], method="bilinear")
+    image = tf.io.decode_and_crop_jpeg(data, _crop_window(data, seed, config), channels=3)
+    # ResizeBilinear is faster on float32 input than on uint8, the cast included: the training map costs
+    # 799 vs 940 us of CPU per image (benchmarks/input_pipeline.py, stage 7 vs its uint8 variant); the
+    # result is bit for bit the same.
+    image = tf.image.resize(tf.cast(image, tf.float32), [config.image_size, config.image_size], method="bilinear")
     if config.flip:
         image = tf.image.stateless_random_flip_left_right(image, seed=seed + 1)
     return image
@@ -96,12 +125,22 @@ def _eval_image(data: tf.Tensor, config: DataConfig) -> tf.Tensor:
 
 
 def _layout(images: tf.Tensor, config: DataConfig) -> tf.Tensor:
+    """Cast to ``config.dtype``; (..., H, W, C) -> (..., C, H, W) for NCHW."""
     images = tf.cast(images, config.dtype)
-    return tf.transpose(images, [0, 3, 1, 2]) if config.layout == "NCHW" else images
+    if config.layout == "NHWC":
+        return images
+    rank = images.shape.rank
+    return tf.transpose(images, [*range(rank - 3), rank - 1, rank - 3, rank - 2])
 
 
-def _finish(images: tf.Tensor, config: DataConfig) -> tf.Tensor:
-    return _layout(_normalise(images, config), config)
+def _finish(image: tf.Tensor, config: DataConfig) -> tf.Tensor:
+    """One (H, W, 3) image as the model gets it: normalised, in ``config.dtype`` and ``config.layout``."""
+    return _layout(_normalise(image, config), config)
+
+
+def _image_shape(config: DataConfig) -> list[int]:
+    size = config.image_size
+    return [size, size, 3] if config.layout == "NHWC" else [3, size, size]
 
 
 def _source(config: DataConfig, split: str, shards: ShardListing | None) -> tuple[tf.data.Dataset, int]:
@@ -126,17 +165,18 @@ def tfdata_plan(config: DataConfig, split: str = "train") -> EpochPlan:
     return plan_for(config, _listing(config, split))
 
 
-def _planned_files(listing: FolderListing, share: ReplicaShare) -> tf.data.Dataset:
-    """(data bytes, label, file name, id) of the share's files, in order; no other file is opened."""
+def _planned_files(listing: FolderListing, share: ReplicaShare) -> tuple[tf.data.Dataset, _Load]:
+    """(file name, label, id) of the share's files, in order, and the function that reads one; no other file
+    is opened."""
     files = np.asarray(listing.files, dtype=object)[share.ids].astype(bytes)
     labels = np.asarray(listing.labels, np.int32)[share.ids]
     ds = tf.data.Dataset.from_tensor_slices((files, labels, share.ids))
-    return ds.map(lambda f, y, i: (tf.io.read_file(f), y, f, i), num_parallel_calls=AUTOTUNE, deterministic=True)
+    return ds, lambda f, y, i: (tf.io.read_file(f), y, f, i)
 
 
 def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare,
-                     label_offset: int) -> tf.data.Dataset:
-    """(data bytes, label, file name, id) of the share's records, in order.
+                     label_offset: int) -> tuple[tf.data.Dataset, _Load]:
+    """(serialized record, id) of the share's records, in order, and the function that parses one.
 
     A group's shards are read once, sequentially, into memory (about
     ``shuffle_buffer`` records, as the shuffle buffer held before; the next
@@ -171,9 +211,7 @@ def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare
     def emit(records: tf.Tensor, take: tf.Tensor, ids: tf.Tensor) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices((take, ids)).map(lambda t, i: (tf.gather(records, t), i))
 
-    ds = loads.map(load).prefetch(1).flat_map(emit)
-    return ds.map(lambda rec, i: (*_parse_record(rec, label_offset), i), num_parallel_calls=AUTOTUNE,
-                  deterministic=True)
+    return loads.map(load).prefetch(1).flat_map(emit), lambda rec, i: (*_parse_record(rec, label_offset), i)
 
 
 def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
@@ -227,20 +265,32 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         if position.is_start and share.steps == 0:
             raise ConfigError(f"{plan.num_samples} {split} images cannot fill one global batch of {n_rep} x {b}.")
         if share.steps == 0:  # resumed at the end of the epoch
-            empty = (tf.zeros([0, b, size, size, 3]), tf.zeros([0, b], tf.int32))
-            return _finished(tf.data.Dataset.from_tensor_slices(empty), config, skipped, threads)
+            empty = (tf.zeros([0, b, *_image_shape(config)], config.dtype), tf.zeros([0, b], tf.int32))
+            return _finished(tf.data.Dataset.from_tensor_slices(empty), skipped, threads)
         if isinstance(listing, FolderListing):
-            ds = _planned_files(listing, share)
+            ds, load = _planned_files(listing, share)
         else:
-            ds = _planned_records(listing, plan, share, config.label_offset)
-        # A skipped bad file is replaced by one from the start of this replica's share (read
-        # again), so every replica still yields exactly `steps` batches.
-        ds = ds.map(checked) if raise_on_bad else ds.filter(keep).repeat()
-        ds = ds.take(share.steps * b)
+            ds, load = _planned_records(listing, plan, share, config.label_offset)
 
-        def train_map(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor, i: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        def augment(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor, i: tf.Tensor) -> tuple[tf.Tensor, ...]:
             # Seeded by the sample: the same crop whatever the world size or the resume point.
-            return _train_image(data, tf.stack([tf.constant(config.seed, tf.int64), i]), config), label
+            image = _train_image(data, tf.stack([tf.constant(config.seed, tf.int64), i]), config)
+            return _finish(image, config), label
+
+        if raise_on_bad:
+            # One map does everything for a sample (read or parse, check, crop, decode, resize, flip,
+            # normalise): a map stage of its own for the read cost 859 vs 815 us of CPU per image
+            # (benchmarks/input_pipeline.py, variant "read in a map of its own" vs stage 7).
+            ds = ds.take(share.steps * b)
+
+            def train_map(*element: tf.Tensor) -> tuple[tf.Tensor, ...]:
+                return augment(*checked(*load(*element)))
+        else:
+            # A skipped bad file is replaced by one from the start of this replica's share (read
+            # again), so every replica still yields exactly `steps` batches.
+            ds = ds.map(load, num_parallel_calls=AUTOTUNE, deterministic=True).filter(keep).repeat()
+            ds = ds.take(share.steps * b)
+            train_map = augment
 
         # Deterministic order (still parallel): a resumed run must see the same batches.
         ds = ds.map(train_map, num_parallel_calls=AUTOTUNE, deterministic=True)
@@ -256,22 +306,24 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
 
         def eval_map(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             if raise_on_bad:
-                return _eval_image(data, config), label
+                return _finish(_eval_image(data, config), config), label
             ok = _jpeg_ok(data)
             with tf.control_dependencies([skipped.assign_add(tf.cast(tf.logical_not(ok), tf.int64))]):
                 # A bad file becomes a padding row: same count per replica, never counted.
                 image = tf.cond(ok, lambda: _eval_image(data, config), lambda: tf.zeros([size, size, 3]))
-                return image, tf.where(ok, label, PAD_LABEL)
+                return _finish(image, config), tf.where(ok, label, PAD_LABEL)
 
         ds = ds.map(eval_map, num_parallel_calls=AUTOTUNE, deterministic=True)
-        pad = tf.data.Dataset.from_tensors((tf.zeros([size, size, 3]), tf.constant(PAD_LABEL, tf.int32)))
+        pad = tf.data.Dataset.from_tensors((_finish(tf.zeros([size, size, 3]), config),
+                                            tf.constant(PAD_LABEL, tf.int32)))
         ds = ds.concatenate(pad.repeat(padded - mine)).batch(b, drop_remainder=True)
-    return _finished(ds, config, skipped, threads)
+    return _finished(ds, skipped, threads)
 
 
-def _finished(ds: tf.data.Dataset, config: DataConfig, skipped: tf.Variable, threads: int | None
-              ) -> tf.data.Dataset:
-    ds = ds.map(lambda x, y: (_finish(x, config), y), num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
+def _finished(ds: tf.data.Dataset, skipped: tf.Variable, threads: int | None) -> tf.data.Dataset:
+    # Images are normalised and cast per image, in the map that made them (see _normalise): nothing
+    # is left to do per batch but prefetch.
+    ds = ds.prefetch(AUTOTUNE)
     if threads is not None:
         options = tf.data.Options()
         options.threading.private_threadpool_size = threads
