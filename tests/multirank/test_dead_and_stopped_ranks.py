@@ -156,3 +156,28 @@ def test_a_stopped_rank_ends_the_others_within_90_s_with_a_report_naming_it(demo
     assert not list((out / "checkpoints").glob(".tmp-ckpt-*")), list((out / "checkpoints").iterdir())
     print(f"{launcher}: SIGSTOP of rank 1 -> the job ended {took:.1f} s later "
           f"({time.monotonic() - stopped_at:.1f} s), exit code {proc.returncode}")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_uneven_input_across_ranks_is_an_error_naming_both_calls_not_a_hang(tmp_path, launcher):
+    log = tmp_path / "job.log"
+    script = str(harness.HERE / "uneven_input.py")
+    cmd = ([str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
+            script] if launcher == "mpirun" else
+           [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, script])
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env(), cwd=harness.ROOT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode != 0, text[-4000:]
+    assert "the ranks are in different collectives at call #7 (rank(s) 0 in reduce(mean) at uneven_input.py:33; " \
+        "rank(s) 1 in run(step_fn))" in text, text[-4000:]
+    assert "input_fn yields different numbers of batches" in text
