@@ -225,8 +225,13 @@ class Watchdog:
             def handle(self) -> None:
                 rank = None
                 for line in self.rfile:
-                    state = json.loads(line)
-                    rank = state["rank"]
+                    try:
+                        state = json.loads(line)
+                        rank = int(state["rank"])
+                        if not 0 <= rank < watchdog.size:
+                            raise ValueError(rank)
+                    except (ValueError, KeyError, TypeError):
+                        return  # not one of the job's ranks (a port scanner, a stray client): hang up quietly
                     with watchdog._lock:
                         watchdog._states[rank] = (_now(), state)
                         watchdog._gone.pop(rank, None)

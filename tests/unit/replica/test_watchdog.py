@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -91,6 +92,10 @@ def _pair(timeout_s: float) -> tuple[Watchdog, Watchdog, _Exits, _Exits]:
 def test_two_ranks_over_tcp_a_stuck_collective_ends_both_with_the_report(capsys):
     w0, w1, e0, _ = _pair(timeout_s=5)
     w0.stale_s = w1.stale_s = 1.0
+    assert w0._server is not None
+    with socket.create_connection(("127.0.0.1", w0._server.server_address[1]), timeout=5) as stray:
+        stray.sendall(b"GET / HTTP/1.0\r\n\r\n")  # not a rank: hung up on, nothing else happens
+        assert stray.recv(100) == b""
     with w1.collective("run(step)"):
         w0.note_step("train step 3")
         with w0.collective("run(step)"):
