@@ -12,10 +12,16 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from hvrep.errors import ConfigError
+
 # hvrep's own settings.
 HVREP_CACHE_DIR = "HVREP_CACHE_DIR"  # where built wheels are cached (default ~/.cache/hvrep)
 HVREP_KERNELS = "HVREP_KERNELS"  # "off": never load the fused kernels (hvrep.kernels); default "auto"
 HVREP_KERNELS_DIR = "HVREP_KERNELS_DIR"  # where kernels/build.py put them (default: hvrep/_lib)
+# The hang watchdog's side channel (hvrep.replica.watchdog): rank 0's TCP port (default 0: an ephemeral port)
+# and the address the other ranks dial (default: rank 0's interface addresses, tried in turn).
+HVREP_WATCHDOG_PORT = "HVREP_WATCHDOG_PORT"
+HVREP_WATCHDOG_ADDR = "HVREP_WATCHDOG_ADDR"
 
 # Open MPI (mpirun; horovodrun with MPI).
 OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"
@@ -116,6 +122,22 @@ def kernels_setting() -> str:
 def kernels_dir(default: Path) -> Path:
     """HVREP_KERNELS_DIR, or ``default`` (the package's _lib folder) when unset."""
     return Path(os.environ.get(HVREP_KERNELS_DIR) or default)
+
+
+def watchdog_port() -> int:
+    """HVREP_WATCHDOG_PORT as an int; 0 (the kernel picks a free port) when unset."""
+    raw = os.environ.get(HVREP_WATCHDOG_PORT, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ConfigError(f"{HVREP_WATCHDOG_PORT} must be a TCP port number (0-65535), got {raw!r}. Fix: unset it "
+                          "for an ephemeral port, or export a port the firewall opens between the nodes.")
+    return int(raw)
+
+
+def watchdog_addr() -> str:
+    """HVREP_WATCHDOG_ADDR: the address of rank 0's host the other ranks dial, or "" (try its interfaces)."""
+    return os.environ.get(HVREP_WATCHDOG_ADDR, "").strip()
 
 
 def cuda_visible_devices() -> str | None:

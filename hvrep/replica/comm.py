@@ -47,6 +47,15 @@ class CommConfig:
       check_first_step: before the first step of each ``run`` function
         executes, compare the collectives every replica traced (kind, dtype,
         shape) and raise on a mismatch instead of hanging in Horovod.
+      timeout_s: seconds a collective call (a ``run`` step, a ``reduce``) may
+        wait for the other ranks before every rank exits with one report
+        naming the ranks that did not join, what each was doing, and exit
+        code 75 (``hvrep.replica.watchdog``; README, "When things go wrong").
+        Default 600: a first step's tracing or a chief's checkpoint write
+        that others wait on must fit. 0: never (the job can hang). Horovod
+        backend with more than one rank only: on the in-graph backends one
+        process drives every replica, no rank can be missing, and it is not
+        enforced.
     """
 
     fusion_threshold_bytes: int | None = None
@@ -56,6 +65,7 @@ class CommConfig:
     num_groups: int = 0
     accumulation_steps: int = 1
     check_first_step: bool = True
+    timeout_s: float = 600.0  # 0: never
 
     def __post_init__(self) -> None:
         ft = self.fusion_threshold_bytes
@@ -73,5 +83,11 @@ class CommConfig:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
         if not isinstance(self.num_groups, int) or self.num_groups < 0:
             raise ConfigError(f"num_groups must be an int >= 0, got {self.num_groups!r}.")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0 or t == float("inf"):
+            raise ConfigError(f"timeout_s must be a number of seconds >= 0 (0: never time out), got {t!r}.")
+        if 0 < t < 5:
+            raise ConfigError(f"timeout_s={t!r} is shorter than the watchdog's heartbeat can judge; use >= 5 s, "
+                              "or 0 to never time out.")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}.")

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from hvrep.data import EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
 from hvrep.errors import DataError
+from hvrep.replica import watchdog
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
 from hvrep.train.metrics import MetricsWriter
@@ -101,6 +102,7 @@ class Controller:
 
     def _save(self, epoch: int, segments: list[Segment], train_examples: int) -> None:
         """Saves on every rank's call (the chief writes), with where the epoch's data stands."""
+        watchdog.note_step(f"checkpoint at step {int(self.state.step.numpy())}")
         self.runner.prepare_checkpoint()
         n, gb = self.runner.repl.num_replicas, self.cfg.train.global_batch
         self.checkpoints.save(int(self.state.step.numpy()), metadata={
@@ -204,6 +206,7 @@ class Controller:
                 with data_errors(epoch_cfg, "train"):
                     for x, y in repl.distribute_dataset(train_input, global_batch_size=gb):
                         # The outputs are not read here: the next step is dispatched without waiting on the host.
+                        watchdog.note_step(f"train step {lp.step + 1}")  # what a timeout report names
                         self.runner.train(x, y)
                         lp.advance()
                         if self._loop_ends(lp) and (reason := self._end_of_loop(lp, stop)):
@@ -228,6 +231,7 @@ class Controller:
                         "images_per_sec": images_per_sec[-1] if steps_done else 0.0,
                         "train_top1": correct_sum / max(steps_done * gb, 1)}
                 if epoch % cfg.train.eval_every == 0 or epoch == epochs:
+                    watchdog.note_step(f"evaluation after epoch {epoch}")
                     top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n, cfg.train.threads)
                     line.update(top1=top1, top5=top5)
                 self.metrics.write("epoch", int(state.step.numpy()), **line)

@@ -98,6 +98,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     import hvrep
     from hvrep import _env
     from hvrep.data import num_examples, write_demo
+    from hvrep.replica import watchdog
     from hvrep.train import resume as resuming
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.controller import Controller, LoopState
@@ -148,6 +149,13 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
 
     # Chief-only output is decided here, once: other ranks get a writer that does nothing.
     metrics = MetricsWriter(out, chief)
+    hang = watchdog.current()
+    if hang is not None:
+        # A collective that timed out ends this run with exit code 75, which slurm/preemptible.sbatch requeues
+        # on; the chief says so in metrics.jsonl (the last checkpoint is the newest complete one).
+        hang.on_timeout(lambda report: metrics.record_only(
+            "final", stopped="timeout", report=report,
+            checkpoint=str(ckpt.latest()) if ckpt.latest() else None))
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile,
                  "input": cfg.data.backend, "compression": cfg.comm.compression,
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,

@@ -78,6 +78,13 @@ class MetricsWriter:
                     if isinstance(v, int | float) and not isinstance(v, bool):
                         tf.summary.scalar(f"{event}/{k}", v)
 
+    def record_only(self, event: str, **values: Any) -> None:
+        """Appends one record to metrics.jsonl and nothing to TensorBoard: safe from another thread while the
+        main thread is blocked inside TensorFlow (the hang watchdog's last words)."""
+        if self.enabled and self._file is not None:
+            self._file.write(json.dumps({"event": event, "time": time.time(), **values}, default=str) + "\n")
+            self._file.flush()
+
     def say(self, line: str) -> None:
         """Prints ``line`` to stdout on the chief."""
         if self.enabled:

@@ -8,13 +8,16 @@ Without Slurm, and no root to install it, every test here is skipped with the re
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hvrep.data import write_demo
@@ -156,3 +159,62 @@ def test_preemptible_job_requeues_on_usr1_and_resumes_from_its_checkpoint(slurm,
         slurm.wait(job, 120)  # cancelled: its CPUs are free again for whatever runs next
     except SlurmError as e:
         pytest.fail(str(e))
+
+
+def _job_ranks(job: int) -> dict[int, psutil.Process]:
+    """The job's `hvrep train` tasks on this node, by SLURM_PROCID."""
+    found = {}
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if env.get("SLURM_JOB_ID") == str(job) and "SLURM_PROCID" in env and "train" in p.cmdline() \
+                    and any(a.endswith("hvrep") for a in p.cmdline()):
+                found[int(env["SLURM_PROCID"])] = p
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_hung_rank_ends_the_preemptible_job_which_requeues_and_resumes(slurm, demo_data, tmp_path):
+    # SIGSTOP of one rank: hvrep's watchdog ends the other (exit 75), srun --kill-on-bad-exit the stopped one, and
+    # the script requeues; the next start resumes from the last complete checkpoint.
+    out = tmp_path / "run"
+    log = tmp_path / "job.out"
+    job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
+                                                      "train.epochs=50", "train.log_every=1",
+                                                      "checkpoint.every_steps=2", "comm.timeout_s=20"])
+    stopped: list[psutil.Process] = []
+    try:
+        _wait_for(slurm, job, "a checkpoint", lambda: any(e["event"] == "train" and e["step"] >= 3
+                                                          for e in _events(out)), JOB_TIMEOUT)
+        ranks = _job_ranks(job)
+        assert sorted(ranks) == [0, 1], ranks
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped.append(ranks[1])
+
+        def resumed_and_stepping() -> bool:
+            events = _events(out)
+            configs = [i for i, e in enumerate(events) if e["event"] == "config"]
+            return len(configs) > 1 and any(e["event"] == "train" for e in events[configs[1]:])
+
+        _wait_for(slurm, job, "train event after a requeue", resumed_and_stepping, JOB_TIMEOUT)
+        info = slurm.job(job)
+    finally:
+        for p in stopped:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+        slurm.run(["scancel", str(job)], check=False)
+    assert int(info["Restarts"]) == 1, info
+    events = _events(out)
+    second = [i for i, e in enumerate(events) if e["event"] == "config"][1]
+    final = events[second - 1]
+    assert final["event"] == "final" and final["stopped"] == "timeout", final
+    assert "rank(s) 1 did not join" in final["report"], final
+    checkpoint = Path(final["checkpoint"])
+    assert events[second]["resumed_from"] == str(checkpoint), events[second]
+    text = log.read_text()
+    assert "has not completed within comm.timeout_s=20 s: rank(s) 1 did not join" in text, slurm.describe(job)
+    assert f"a collective timed out (hvrep's watchdog report is above); requeueing job {job}" in text, text[-3000:]
+    assert f"job {job} start 2" in text, slurm.describe(job)
+    with contextlib.suppress(SlurmError):
+        slurm.wait(job, 120)

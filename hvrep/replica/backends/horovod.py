@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from hvrep import _env, compat
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
+from hvrep.replica import watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
@@ -139,6 +140,25 @@ class HorovodBackend(Backend):
         self._functions = FunctionCache()
         self._signature: list[str] | None = None
         self._eager_names = 0
+        self._start_watchdog(config.timeout_s)
+
+    def _start_watchdog(self, timeout_s: float) -> None:
+        """One hang watchdog per process (CommConfig.timeout_s > 0, more than one rank); a later Replicator
+        reuses it with its own timeout. Rank 0's address travels in one broadcast, the only Horovod op it uses."""
+        if timeout_s <= 0 or self._size < 2:
+            return
+        found = watchdog.current()
+        if found is not None:
+            found.timeout_s = float(timeout_s)
+            return
+
+        def exchange(address: bytes) -> bytes:
+            buf = np.zeros(512, np.uint8)
+            buf[:len(address)] = np.frombuffer(address[:512], np.uint8)
+            out = self.hvd.broadcast(tf.constant(buf), root_rank=0, name=self._name("watchdog")).numpy()
+            return out.tobytes().rstrip(b"\0")
+
+        watchdog.install(watchdog.Watchdog(self._rank, self._size, timeout_s, exchange))
 
     @classmethod
     def available(cls) -> bool:
@@ -185,7 +205,8 @@ class HorovodBackend(Backend):
             yield
         for v in created:
             self._scope_vars[id(v)] = v
-        self._broadcast_variables(created)
+        with watchdog.collective("broadcast of the variables created in scope()"):
+            self._broadcast_variables(created)
 
     def _broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
         """Overwrites ``variables`` with the chief's values: one broadcast per dtype."""
@@ -213,7 +234,7 @@ class HorovodBackend(Backend):
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         entry = self._functions.entry(fn, lambda f: tf.function(f, reduce_retracing=True))
         tf_fn = entry[1]
-        with self.replica_section():
+        with self.replica_section(), watchdog.collective(f"run({getattr(fn, '__qualname__', repr(fn))})"):
             if entry[2] is None:
                 self._first_call_checks(tf_fn, args, kwargs)
                 entry[2] = "checked"
@@ -316,6 +337,10 @@ class HorovodBackend(Backend):
     def reduce(self, value: Any, op: str) -> Any:
         check_op(op)
         hop = self._hvd_op(op)
+        with watchdog.collective(f"reduce({op}) at {_call_site()}"):
+            return self._reduce(value, op, hop)
+
+    def _reduce(self, value: Any, op: str, hop: Any) -> Any:
         self._check_same_call(f"reduce({op})", value)
 
         def one(v: Any) -> Any:

@@ -1,0 +1,184 @@
+"""A rank that dies or stops, with real processes: `hvrep train` on 2 ranks under mpirun AND horovodrun --gloo.
+
+SIGKILL of one rank: the launcher ends every rank, non-zero, within 60 s. SIGSTOP of one rank (a hang: it
+holds no connection open and answers nothing) with comm.timeout_s=20: the other rank exits non-zero within
+90 s with hvrep's watchdog report naming the stopped rank, and the newest checkpoint is a complete one.
+A user's input_fn that yields more batches on one rank ends the job with an error naming both ranks' calls.
+Without the watchdog the last two hang until the test's own deadline (README, "When things go wrong").
+Every launch runs in its own process group, which is continued and killed whatever the test's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hvrep.data import write_demo
+from tests.multirank import harness
+
+pytestmark = pytest.mark.multirank
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo-data")
+    write_demo(root)
+    return root / "tfrecord"
+
+
+def _command(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "mpirun":
+        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
+                "mpi4py", "-m", "hvrep.cli", "train", *args]
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvrep.cli",
+            "train", *args]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in harness._env().items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def _events(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _rank_of(p: psutil.Process) -> int | None:
+    try:
+        env = p.environ()
+        if "hvrep.cli" not in " ".join(p.cmdline()):
+            return None
+    except psutil.Error:
+        return None
+    value = env.get("OMPI_COMM_WORLD_RANK") or env.get("HOROVOD_RANK")
+    return int(value) if value is not None else None
+
+
+@contextlib.contextmanager
+def _launched(launcher: str, args: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """The launcher in a process group of its own; on the way out every process in it is continued and killed."""
+    with log.open("w") as sink:
+        proc = subprocess.Popen(_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT, env=_env(),
+                                cwd=harness.ROOT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            family = []
+            with contextlib.suppress(psutil.Error):
+                family = psutil.Process(proc.pid).children(recursive=True)
+            for p in family:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for p in family:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            proc.wait(timeout=30)
+
+
+def _ranks_once_training(proc: subprocess.Popen, out: Path, log: Path, steps: int) -> dict[int, psutil.Process]:
+    """Both ranks' processes, once the chief has logged ``steps`` training steps."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the launch ended early ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        if sum(e["event"] == "train" for e in _events(out)) >= steps:
+            ranks = {r: p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if (r := _rank_of(p)) is not None}
+            if sorted(ranks) == [0, 1]:
+                return ranks
+        time.sleep(0.5)
+    pytest.fail(f"training did not start within 240 s:\n{log.read_text()[-4000:]}")
+
+
+def _wait(proc: subprocess.Popen, limit: float, log: Path, what: str) -> float:
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what}: the job was still running {limit:.0f} s later (hung):\n{log.read_text()[-4000:]}")
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_a_killed_rank_ends_every_rank_non_zero_within_60_s(demo_data, tmp_path, launcher):
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    args = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.epochs=50",
+            "train.log_every=1", "train.steps_per_loop=1"]
+    with _launched(launcher, args, log) as proc:
+        ranks = _ranks_once_training(proc, out, log, steps=2)
+        ranks[1].send_signal(signal.SIGKILL)
+        took = _wait(proc, 60, log, "SIGKILL of rank 1")
+        assert proc.returncode != 0, log.read_text()[-4000:]
+        assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE, "rank 0 outlived the job"
+    print(f"{launcher}: SIGKILL of rank 1 -> the job ended in {took:.1f} s, exit code {proc.returncode}")
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_a_stopped_rank_ends_the_others_within_90_s_with_a_report_naming_it(demo_data, tmp_path, launcher):
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    args = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.epochs=50",
+            "train.log_every=1", "train.steps_per_loop=1", "checkpoint.every_steps=2", "comm.timeout_s=20"]
+    with _launched(launcher, args, log) as proc:
+        ranks = _ranks_once_training(proc, out, log, steps=3)
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        took = _wait(proc, 90, log, "SIGSTOP of rank 1 with comm.timeout_s=20")
+        text = log.read_text()
+        assert proc.returncode != 0, text[-4000:]
+        assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE, "rank 0 outlived the job"
+        assert "has not completed within comm.timeout_s=20 s: rank(s) 1 did not join" in text, text[-4000:]
+        assert "rank 1 on" in text and "<- NO HEARTBEAT" in text, text[-4000:]  # each rank's state, rank 1 named
+        assert took >= 10, f"ended {took:.0f} s after the stop: before the timeout could have run out"
+    final = _events(out)[-1]
+    assert final["event"] == "final" and final["stopped"] == "timeout", final
+    # No checkpoint from the step that timed out: the newest is a complete one, from before the stop.
+    checkpoint = Path(final["checkpoint"])
+    assert checkpoint.is_dir() and (checkpoint / "checkpoint.json").is_file(), final
+    assert not list((out / "checkpoints").glob(".tmp-ckpt-*")), list((out / "checkpoints").iterdir())
+    print(f"{launcher}: SIGSTOP of rank 1 -> the job ended {took:.1f} s later "
+          f"({time.monotonic() - stopped_at:.1f} s), exit code {proc.returncode}")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", ["mpirun"])  # the watchdog is the same under both; horovodrun passed too
+def test_uneven_input_across_ranks_is_an_error_naming_both_calls_not_a_hang(tmp_path, launcher):
+    log = tmp_path / "job.log"
+    script = str(harness.HERE / "uneven_input.py")
+    cmd = ([str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
+            script] if launcher == "mpirun" else
+           [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, script])
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env(), cwd=harness.ROOT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode != 0, text[-4000:]
+    assert "the ranks are in different collectives at call #7 (rank(s) 0 in reduce(mean) at uneven_input.py:33; " \
+        "rank(s) 1 in run(step_fn))" in text, text[-4000:]
+    assert "input_fn yields different numbers of batches" in text
