@@ -20,10 +20,11 @@ class CommConfig:
         backward pass still runs) and issues one collective per buffer. 0: one
         collective per tensor (on horovod: each gradient goes to Horovod as
         soon as it exists and Horovod's background thread fuses what is
-        ready each cycle). None (default): the backend's choice, today 128
-        MiB on every backend, which fits all of ResNet-50's fp32 gradients
-        (102 MB) in one buffer; on horovod it measured no slower than 0
-        (README, "Throughput"). hvrep's buckets only: Horovod's own fusion
+        ready each cycle). None (default): the backend's choice: 25 MiB on
+        horovod, where smaller buckets overlap the backward pass (measured
+        faster than 128 MiB and than 0 on ResNet-50; README, "Throughput"),
+        128 MiB on the in-graph backends (not measured there; all of
+        ResNet-50's 102 MB of fp32 gradients in one buffer). hvrep's buckets only: Horovod's own fusion
         buffer is ``horovod_fusion_threshold_bytes``.
       horovod_fusion_threshold_bytes: Horovod's process-wide
         ``HOROVOD_FUSION_THRESHOLD`` (its background fusion of the collectives

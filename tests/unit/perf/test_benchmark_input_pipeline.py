@@ -17,7 +17,7 @@ DECODE_CASES = 5  # tf.io.decode_jpeg and PIL on 1 and N threads, tf.data AUTOTU
 def test_quick_run_writes_one_record_per_case(tmp_path):
     out = tmp_path / "r.jsonl"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--data-dir",
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-stages", "--out", str(out), "--data-dir",
                           str(tmp_path / "data")], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
 

@@ -78,7 +78,7 @@ def test_comm_config_rejects_bad_values_by_name(field, value, fragment):
 
 def test_comm_config_defaults_leave_horovods_own_settings_alone():
     cfg = CommConfig()
-    assert cfg.fusion_threshold_bytes is None  # the backend's choice: horovod 0, in-graph 128 MiB
+    assert cfg.fusion_threshold_bytes is None  # the backend's choice: horovod 25 MiB, in-graph 128 MiB
     # hvrep's bucket size does not set Horovod's process-wide fusion buffer or cycle time.
     assert cfg.horovod_fusion_threshold_bytes is None and cfg.cycle_time_ms is None
     with pytest.raises(AttributeError):
