@@ -112,3 +112,23 @@ def test_shard_arrays_gives_every_replica_the_same_steps_in_global_batch_order()
     assert hvrep.keras.shard_arrays(x, Fake(0), 4).tolist() == parts[0].tolist()
     with pytest.raises(ConfigError, match="batch_size"):
         hvrep.keras.shard_arrays(x, Fake(0), 0)
+
+
+def test_warmup_callback_gives_horovods_learning_rates(repl):
+    # Horovod: lr = initial / size * (e' * (size - 1) / warmup + 1), e' = epoch + (batch + 1) / steps_per_epoch.
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    with repl.scope():
+        model = fidelity.make_model()
+        model.compile(optimizer=hvrep.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), repl),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = keras_fit.data(2)
+    warmup = hvrep.keras.callbacks.LearningRateWarmupCallback(repl, initial_lr=0.4, warmup_epochs=2)
+    history = model.fit(x[:24], y[:24], batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[warmup, Record()])
+    want = [0.4 / 2 * ((e + (b + 1) / 3) * 1 / 2 + 1) for e in range(2) for b in range(3)] + [0.4] * 3
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+    np.testing.assert_allclose(history.history["lr"], [want[2], want[5], 0.4], rtol=1e-6)
