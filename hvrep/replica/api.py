@@ -15,15 +15,19 @@ step, the library owns the rest (STYLE.md: Orbit, TF-Replicator).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from hvrep.errors import ConfigError
-from hvrep.replica import backends
+from hvrep.replica import backends, collectives
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
+
+# The Replicator created last in this process: what a Keras optimizer restored from its config binds to.
+_latest: weakref.ref | None = None
 
 
 class Replicator:
@@ -47,6 +51,8 @@ class Replicator:
             raise ConfigError(f"config must be an hvrep.CommConfig, got {type(config).__name__}.")
         self.config = config or CommConfig()
         self._backend = backends.create(backend, self.config)
+        global _latest
+        _latest = weakref.ref(self)
 
     @property
     def backend(self) -> str:
@@ -131,6 +137,23 @@ class Replicator:
         """
         return self._backend.reduce(value, check_op(op))
 
+    def all_reduce(self, value: Any, op: str) -> Any:
+        """``hvrep.all_reduce`` for a step this Replicator does not run itself: code traced by someone else's
+        compiled function (Keras' ``fit`` train step), where ``run`` is not on the stack.
+
+        Call it from inside that traced step, on every replica alike, as a collective inside ``run``.
+        """
+        with self._backend.replica_section():
+            return collectives.all_reduce(value, check_op(op))
+
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
+        """Eagerly overwrites ``variables`` (tf or Keras variables, the same list in the same order on every
+        process) with process ``root_rank``'s values: one broadcast per dtype on horovod. In-graph backends
+        hold one process, whose mirrored variables are already equal: nothing to do there."""
+        # A Keras 3 variable wraps a tf.Variable (its .value); a tf.Variable's own .value is a method.
+        plain = [v if isinstance(v, tf.Variable) or not hasattr(v, "value") else v.value for v in variables]
+        self._backend.broadcast_variables(plain, root_rank)
+
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first.
 
@@ -147,3 +170,16 @@ class Replicator:
                 "or a k-times larger per-replica batch."
             )
         return CrossReplicaOptimizer(optimizer, k)
+
+
+def latest() -> Replicator:
+    """The Replicator created last in this process (what ``hvrep.keras.DistributedOptimizer.from_config`` binds).
+
+    Raises:
+      hvrep.errors.ConfigError: none exists.
+    """
+    repl = _latest() if _latest is not None else None
+    if repl is None:
+        raise ConfigError("no hvrep.Replicator exists in this process. Fix: create one (`repl = hvrep.Replicator()`) "
+                          "before loading a model whose optimizer is an hvrep.keras.DistributedOptimizer.")
+    return repl

@@ -25,6 +25,7 @@ from hvrep.replica.comm import CommConfig
 MODELS = ("resnet50", "small_resnet")
 OPTIMIZERS = ("recipe", "lars", "momentum_sgd")
 PRECISIONS = ("fp32", "fp16", "bf16")
+LOOPS = ("custom", "fit")
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,13 @@ class TrainConfig:
       steps_per_loop: steps between the loop's host round-trips (Orbit's name; Keras' steps_per_execution):
         the loss and accuracy are summed on the device and read, with the agreement on stopping (signals),
         once per loop; loops also end at log, checkpoint and max_steps boundaries. A signal is acted on
-        within this many steps.
+        within this many steps. With ``loop="fit"``: Keras' ``steps_per_execution``.
       threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
         pool get this many. None: TensorFlow's defaults (every rank sizes its pools for every core of
         the node). The scaling protocol in README gives each rank, and the 1-rank baseline, threads=1.
         Ranks are not pinned to cores here; a launcher's binding does that (mpirun --bind-to core).
+      loop: "custom" (hvrep's loop: ``controller.py``, resumable, signal-aware) or "fit" (Keras' ``model.fit``
+        through ``hvrep.keras``: ``fitloop.py``; no --resume, no gradient accumulation).
     """
 
     global_batch: int = 256
@@ -122,9 +125,11 @@ class TrainConfig:
     log_every: int = 50
     steps_per_loop: int = 10
     threads: int | None = None
+    loop: str = "custom"
 
     def __post_init__(self) -> None:
         _at_least("train.global_batch", self.global_batch, 1)
+        _choice("train.loop", self.loop, LOOPS)
         if self.epochs is not None:
             _at_least("train.epochs", self.epochs, 1)
         _at_least("train.eval_every", self.eval_every, 1)

@@ -128,6 +128,8 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
         raise HvrepError(f"{train_images} training images cannot fill one global batch of {gb}.")
 
     keras.utils.set_random_seed(cfg.train.seed)
+    if cfg.train.loop == "fit":
+        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images)
     with repl.scope():
         model = _model(cfg)
         optimizer, epochs, smoothing = _optimizer(cfg, steps_per_epoch, train_images)
@@ -176,6 +178,12 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                    top5=result["top5"], images_per_sec=sorted(rates)[len(rates) // 2] if rates else None,
                    replicas=n, wall_sec=result["wall_sec"], output_dir=str(out),
                    checkpoint=str(ckpt.latest()) if ckpt.latest() else None)
+    return _finish(summary, metrics, n)
+
+
+def _finish(summary: dict[str, Any], metrics: Any, n: int) -> dict[str, Any]:
+    """Writes the run's final line and says it (both loops)."""
+    out = summary["output_dir"]
     metrics.write("final", summary["step"], **{k: v for k, v in summary.items() if k != "step"})
     metrics.close()
     top1, top5 = summary["top1"], summary["top5"]
@@ -184,6 +192,42 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                 f"{summary['images_per_sec'] or 0:,.0f} images/s on {n} replica(s). Outputs in {out}/ "
                 "(metrics.jsonl, tensorboard/, checkpoints/)")
     return summary
+
+
+def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: int, train_images: int,
+             val_images: int) -> dict[str, Any]:
+    """``train.loop=fit``: the same model, optimizer, data and evaluation, trained by Keras' fit."""
+    import tensorflow as tf
+
+    from hvrep.train import fitloop
+    from hvrep.train.metrics import MetricsWriter
+
+    fitloop.check_supported(cfg, resume)
+    n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
+    metrics = MetricsWriter(out, repl.is_chief)
+    env = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+           "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
+    fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile, "input": cfg.data.backend,
+                 "loop": "fit", "kernels": kernels.status().describe()}
+
+    def build() -> tuple[Any, Any, int, float]:
+        # A LossScaleOptimizer for fp16 is added inside DistributedOptimizer (the global policy is set).
+        optimizer, epochs, smoothing = _optimizer(cfg, steps_per_epoch, train_images)
+        metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path,
+                      env=env, optimizer=type(optimizer).__name__, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                      resumed_from=None)
+        metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}) with model.fit, global batch {gb}, "
+                    f"{epochs} epochs x {steps_per_epoch} steps")
+        return _model(cfg), optimizer, epochs, smoothing
+
+    result = fitloop.run_fit(cfg, repl, build, steps_per_epoch=steps_per_epoch, val_images=val_images,
+                             metrics=metrics)
+    rates = result["images_per_sec"]
+    summary = {k: result[k] for k in ("stopped", "time_to_accuracy_sec") if k in result}
+    summary.update(step=result["step"], epoch=result["epoch"], top1=result["top1"], top5=result["top5"],
+                   images_per_sec=sorted(rates)[len(rates) // 2] if rates else None, replicas=n,
+                   wall_sec=result["wall_sec"], output_dir=str(out), checkpoint=result["checkpoint"])
+    return _finish(summary, metrics, n)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("hvrep.kernels",)),
     ("replica", ("hvrep.replica",)),
     ("keras building blocks", ("hvrep.layers", "hvrep.optimizers", "hvrep.schedules", "hvrep.models",
-                               "hvrep.recipes")),
+                               "hvrep.recipes", "hvrep.keras")),
     ("data", ("hvrep.data",)),
     ("training app", ("hvrep.train",)),
     ("tooling", ("hvrep.cluster", "hvrep.perf")),

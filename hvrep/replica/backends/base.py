@@ -20,6 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from hvrep.errors import CollectiveError
 from hvrep.replica import context, fusion
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
@@ -227,6 +228,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor: ...
+
+    def broadcast_variables(self, variables: Sequence[tf.Variable], root: int) -> None:
+        """Eager: ``variables`` take process ``root``'s values. One process (in-graph backends) holds mirrored
+        variables that are already equal: nothing to do."""
+        if not 0 <= root < self.num_processes:
+            raise CollectiveError(f"root_rank={root} is not a process rank in [0, {self.num_processes}).")
 
     @abc.abstractmethod
     def broadcast(self, x: tf.Tensor, root: int) -> tf.Tensor: ...

@@ -211,15 +211,21 @@ class HorovodBackend(Backend):
         with watchdog.collective("broadcast of the variables created in scope()"):
             self._broadcast_variables(created)
 
-    def _broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
-        """Overwrites ``variables`` with the chief's values: one broadcast per dtype."""
+    def broadcast_variables(self, variables: Sequence[tf.Variable], root: int) -> None:
+        super().broadcast_variables(variables, root)
+        self._broadcast_variables(variables, root)
+        for v in variables:
+            self._scope_vars[id(v)] = v
+
+    def _broadcast_variables(self, variables: Sequence[tf.Variable], root: int = 0) -> None:
+        """Overwrites ``variables`` with rank ``root``'s values: one broadcast per dtype."""
         by_dtype: dict[tf.DType, list[tf.Variable]] = {}
         for v in variables:
             by_dtype.setdefault(v.dtype.base_dtype, []).append(v)
         for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
             flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in vs], axis=0)
             name = self._name(f"scope_{dtype.name}")
-            out = move_bf16_as_bits(flat, lambda w, name=name: self.hvd.broadcast(w, root_rank=0, name=name))
+            out = move_bf16_as_bits(flat, lambda w, name=name: self.hvd.broadcast(w, root_rank=root, name=name))
             sizes = [int(v.shape.num_elements()) for v in vs]
             for v, piece in zip(vs, tf.split(out, sizes) if len(vs) > 1 else [out], strict=True):
                 v.assign(tf.reshape(piece, v.shape))
