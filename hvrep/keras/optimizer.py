@@ -159,8 +159,10 @@ class DistributedOptimizer(_Optimizer):
         return self.iterations
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        # Only Keras' JAX trainer calls this; hvrep's collectives are TensorFlow ops.
         raise NotImplementedError("hvrep.keras.DistributedOptimizer runs on Keras' TensorFlow backend, which applies "
-                                  "gradients statefully.")
+                                  "gradients statefully; stateless_apply is the JAX backend's. Fix: "
+                                  "KERAS_BACKEND=tensorflow.")
 
     def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)

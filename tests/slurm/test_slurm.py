@@ -65,6 +65,13 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def _resumed_and_stepping(out: Path) -> bool:
+    """A second run (a requeue) wrote its config and then trained at least one step."""
+    events = _events(out)
+    configs = [i for i, e in enumerate(events) if e["event"] == "config"]
+    return len(configs) > 1 and any(e["event"] == "train" for e in events[configs[1]:])
+
+
 def _wait_for(slurm: LocalSlurm, job: int, what: str, ready: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     ended = 0  # polls in a row that found the job ended: a requeue passes through states briefly
@@ -134,12 +141,7 @@ def test_preemptible_job_requeues_on_usr1_and_resumes_from_its_checkpoint(slurm,
         # What `#SBATCH --signal=USR1@120` does before the time limit: USR1 to every step, not the batch shell.
         slurm.run(["scancel", "--signal=USR1", str(job)])
 
-        def resumed_and_stepping() -> bool:
-            events = _events(out)
-            configs = [i for i, e in enumerate(events) if e["event"] == "config"]
-            return len(configs) > 1 and any(e["event"] == "train" for e in events[configs[1]:])
-
-        _wait_for(slurm, job, "train event after a requeue", resumed_and_stepping, JOB_TIMEOUT)
+        _wait_for(slurm, job, "train event after a requeue", lambda: _resumed_and_stepping(out), JOB_TIMEOUT)
         info = slurm.job(job)
     finally:
         slurm.run(["scancel", str(job)], check=False)
@@ -192,12 +194,7 @@ def test_a_hung_rank_ends_the_preemptible_job_which_requeues_and_resumes(slurm, 
         ranks[1].send_signal(signal.SIGSTOP)
         stopped.append(ranks[1])
 
-        def resumed_and_stepping() -> bool:
-            events = _events(out)
-            configs = [i for i, e in enumerate(events) if e["event"] == "config"]
-            return len(configs) > 1 and any(e["event"] == "train" for e in events[configs[1]:])
-
-        _wait_for(slurm, job, "train event after a requeue", resumed_and_stepping, JOB_TIMEOUT)
+        _wait_for(slurm, job, "train event after a requeue", lambda: _resumed_and_stepping(out), JOB_TIMEOUT)
         info = slurm.job(job)
     finally:
         for p in stopped:
