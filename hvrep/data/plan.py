@@ -29,6 +29,15 @@ continues that segment (its first ``steps`` batches are dropped, so it trains on
 interrupted run would have); at another world size or global batch it starts a new segment over what is
 left. So within an epoch no sample is trained on twice and none is left out but the remainder a segment
 cannot fill (above). Between two strided segments what is left is exactly the rest of the global order.
+
+The remainder is the first segment's. The samples an epoch leaves out are fixed where it starts: those its
+first segment would leave out had it run to the end. Every later segment deals them last (after the rest
+of its order, in their groups), so its own truncation drops them first. A run resized mid-epoch with the
+global batch kept (a requeue onto fewer nodes) whose new segment is strided or on one replica therefore
+trains on every sample the uninterrupted run would have, and exactly those when that run left out less than
+one global batch (always so when it was strided). A new segment dealt by file at several replicas keeps
+each replica to its own shards; what the first segment took from them can leave the shares uneven, and the
+surplus is left out as at the start of an epoch.
 """
 
 from __future__ import annotations
@@ -182,7 +191,7 @@ class EpochPlan:
         steps = self._steps(replicas, batch, open_)
         if position.steps > steps:
             raise self._beyond(len(position.done) + 1, position.steps, replicas, batch, steps)
-        ids, groups = self._streams(replicas, open_, only=replica)[0]
+        ids, groups = self._streams(replicas, open_, self._remainder(position.done), only=replica)[0]
         n = steps * batch
         ids, groups = ids[:n].reshape(steps, batch), groups[:n].reshape(steps, batch)
         order = np.lexsort((ids, groups), axis=-1)  # by group, then id, within each batch
@@ -195,24 +204,40 @@ class EpochPlan:
         open_ = ~self._closed
         out = []
         for seg in segments:
-            ids = self._trained_by(seg, open_, len(out) + 1)
+            ids = self._trained_by(seg, open_, len(out) + 1, self._remainder(segments[:len(out)]))
             open_[ids] = False
             out.append(ids)
         return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def left_out(self, replicas: int, global_batch: int) -> np.ndarray:
+        """The ids (sorted) an epoch that starts at this world size and global batch leaves out, excluded ids aside."""
+        return np.flatnonzero(self._remainder([Segment(replicas, global_batch, 0)]))
 
     def _open(self, done: Sequence[Segment]) -> np.ndarray:
         """A mask of the ids neither excluded nor trained on by ``done``."""
         open_ = ~self._closed
         for i, seg in enumerate(done):
-            open_[self._trained_by(seg, open_, i + 1)] = False
+            open_[self._trained_by(seg, open_, i + 1, self._remainder(done[:i]))] = False
         return open_
 
-    def _trained_by(self, seg: Segment, open_: np.ndarray, number: int) -> np.ndarray:
+    def _remainder(self, done: Sequence[Segment]) -> np.ndarray | None:
+        """A mask of the ids the epoch's first segment, run to its end, leaves out; None before it (see the module
+        docstring: later segments deal these last)."""
+        if not done:
+            return None
+        first = done[0]
+        open_ = ~self._closed
+        n = self._steps(first.replicas, first.batch, open_) * first.batch
+        for ids, _ in self._streams(first.replicas, open_):
+            open_[ids[:n]] = False
+        return open_
+
+    def _trained_by(self, seg: Segment, open_: np.ndarray, number: int, last: np.ndarray | None) -> np.ndarray:
         steps = self._steps(seg.replicas, seg.batch, open_)
         if seg.steps > steps:
             raise self._beyond(number, seg.steps, seg.replicas, seg.batch, steps)
         n = seg.steps * seg.batch
-        streams = self._streams(seg.replicas, open_)
+        streams = self._streams(seg.replicas, open_, last)
         # Step by step, replica by replica: the global batches in order.
         return np.stack([ids[:n].reshape(seg.steps, seg.batch) for ids, _ in streams], 1).ravel()
 
@@ -229,20 +254,33 @@ class EpochPlan:
         per_block = np.bincount(self._block_of[open_], minlength=len(self.blocks))
         return min(int(per_block[r::replicas].sum()) for r in range(replicas)) // batch
 
-    def _streams(self, replicas: int, open_: np.ndarray, only: int | None = None) -> list[tuple[np.ndarray, ...]]:
-        """(ids, groups) of each replica (or of replica ``only``), in reading order, untruncated."""
+    def _streams(self, replicas: int, open_: np.ndarray, last: np.ndarray | None = None,
+                 only: int | None = None) -> list[tuple[np.ndarray, ...]]:
+        """(ids, groups) of each replica (or of replica ``only``), in reading order, untruncated.
+
+        The open ids in the mask ``last`` come after the others, in their groups renumbered past the last one,
+        so a reader still holds one group of blocks at a time.
+        """
         which = range(replicas) if only is None else [only]
         if self.rule(replicas) == STRIDED:
-            ids, groups = self._shuffled(np.arange(len(self.blocks)), self._rng())
-            keep = open_[ids]
-            ids, groups = ids[keep], groups[keep]
+            ids, groups = self._last(*self._shuffled(np.arange(len(self.blocks)), self._rng()), open_, last)
             return [(ids[r::replicas], groups[r::replicas]) for r in which]
-        out = []
-        for r in which:
-            ids, groups = self._shuffled(np.arange(r, len(self.blocks), replicas), self._rng(replicas, r))
-            keep = open_[ids]
-            out.append((ids[keep], groups[keep]))
-        return out
+        return [self._last(*self._shuffled(np.arange(r, len(self.blocks), replicas), self._rng(replicas, r)),
+                           open_, last) for r in which]
+
+    @staticmethod
+    def _last(ids: np.ndarray, groups: np.ndarray, open_: np.ndarray,
+              last: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The open ones of ``ids`` (and their ``groups``), those in ``last`` moved to the end (order kept)."""
+        keep = open_[ids]
+        ids, groups = ids[keep], groups[keep]
+        if last is None:
+            return ids, groups
+        tail = last[ids]
+        if not tail.any():
+            return ids, groups
+        shift = int(groups.max()) + 1
+        return (np.concatenate([ids[~tail], ids[tail]]), np.concatenate([groups[~tail], groups[tail] + shift]))
 
     def _rng(self, *tags: int) -> np.random.Generator:
         return np.random.default_rng([self.seed & _SEED_BITS, *tags])
