@@ -6,11 +6,16 @@ In-process on the local backend (2 logical CPU devices), the real app on the dem
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
+import tensorflow as tf
 
 import hvrep
+import hvrep.data
+import hvrep.train.steps
 from hvrep.data import write_demo
+from hvrep.errors import DataError
 from hvrep.train import config as configs
 from hvrep.train.main import run
 
@@ -46,3 +51,61 @@ def test_one_host_round_trip_per_loop_and_the_same_metrics(demo_data, tmp_path, 
     assert [e["step"] for e in train] == list(range(10, steps + 1, 10))
     assert all(0 < e["loss"] < 10 and 0 <= e["train_top1"] <= 1 for e in train)
     assert summary["stopped"] == "completed" and summary["images_per_sec"] > 0
+
+
+def _demo_cfg(demo_data, out, **extra):
+    return configs.apply_overrides(configs.preset("demo"), {
+        "data.data_dir": str(demo_data), "output_dir": str(out), "train.epochs": "3", "train.eval_every": "1",
+        "model.width": "4", "optim.warmup_epochs": "0.5", **extra})
+
+
+def test_the_next_epochs_input_starts_while_this_epoch_is_evaluated(demo_data, tmp_path, monkeypatch):
+    # Each evaluation waits (up to 20 s) for the next epoch's training pipeline to yield its first batch: the
+    # controller must start it before evaluating, not after (otherwise every epoch begins by waiting on it).
+    cfg = _demo_cfg(demo_data, tmp_path / "run")
+    first_batch = {}  # epoch -> threading.Event set when its first training batch was produced
+    real_dataset, real_evaluate = hvrep.data.tfdata_dataset, hvrep.train.steps.Runner.evaluate
+
+    def dataset(config, split, *args, **kwargs):
+        ds = real_dataset(config, split, *args, **kwargs)
+        if split != "train":
+            return ds
+        event = first_batch.setdefault(config.seed - cfg.data.seed - cfg.train.seed * 1000, threading.Event())
+
+        def mark(x, y):
+            produced = tf.py_function(lambda: event.set() or True, [], tf.bool)
+            with tf.control_dependencies([produced]):
+                return tf.identity(x), y
+
+        return ds.map(mark)
+
+    waited = []
+
+    def evaluate(self, *args, **kwargs):
+        epoch = len(waited) + 1  # the epoch about to start
+        waited.append(first_batch.setdefault(epoch, threading.Event()).wait(20) if epoch < 3 else None)
+        return real_evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(hvrep.data, "tfdata_dataset", dataset)
+    monkeypatch.setattr(hvrep.train.steps.Runner, "evaluate", evaluate)
+    assert run(cfg)["stopped"] == "completed"
+    assert waited == [True, True, None]
+
+
+def test_an_input_error_of_a_later_epoch_is_raised_where_that_epoch_starts(demo_data, tmp_path, monkeypatch):
+    cfg = _demo_cfg(demo_data, tmp_path / "run")
+    real_dataset = hvrep.data.tfdata_dataset
+
+    def dataset(config, split, *args, **kwargs):
+        if split == "train" and config.seed == cfg.data.seed + cfg.train.seed * 1000 + 1:
+            raise DataError("shard 3 of the second epoch is missing (test)")
+        return real_dataset(config, split, *args, **kwargs)
+
+    monkeypatch.setattr(hvrep.data, "tfdata_dataset", dataset)
+    with pytest.raises(DataError, match="second epoch is missing"):
+        run(cfg)
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # The first epoch finished, was evaluated and saved before the error surfaced; nothing after it ran.
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1]
+    assert "top1" in next(e for e in events if e["event"] == "epoch")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("ckpt-"))
