@@ -1,9 +1,13 @@
-"""``python -m hvrep.summary RUN [BASELINE]``: what a training run did, from its metrics.jsonl.
+"""``python -m hvrep.summary RUN [BASELINE...]``: what a training run did, from its metrics.jsonl.
 
-With a 1-replica BASELINE run of the same configuration it adds the scaling
-efficiency: images/s of RUN / (replicas x images/s of BASELINE), both the
-median over their epochs (the first epoch, which compiles, is excluded when
-there are several).
+With 1-replica BASELINE runs of the same configuration it adds the scaling
+efficiency against each: images/s of RUN / (replicas x images/s of BASELINE),
+both the median over their epochs (the first epoch, which compiles, is
+excluded when there are several). Each is labelled by how the baseline's batch
+relates to RUN's: *weak* scaling when it has RUN's per-replica batch (the
+definition Horovod's and Goyal et al.'s scaling figures use: each GPU keeps its
+batch), *strong* when it has RUN's global batch (each replica's work halves at
+2 replicas, so fixed per-step costs weigh twice as much), *mixed* otherwise.
 """
 
 from __future__ import annotations
@@ -39,7 +43,22 @@ def throughput(events: list[dict[str, Any]]) -> float | None:
     return steady[len(steady) // 2]
 
 
-def summarize(run_dir: str | Path, baseline_dir: str | Path | None = None) -> dict[str, Any]:
+def _batch(config_event: dict[str, Any]) -> tuple[int, int]:
+    """(global batch, replicas) of a run's config event."""
+    return int(config_event["config"]["train"]["global_batch"]), int(config_event["replicas"])
+
+
+def scaling_rule(run: tuple[int, int], baseline: tuple[int, int]) -> str:
+    """"weak", "strong" or "mixed": how a baseline's (global batch, replicas) relates to a run's."""
+    (gb, n), (base_gb, base_n) = run, baseline
+    if gb == base_gb:
+        return "strong"
+    return "weak" if gb * base_n == base_gb * n else "mixed"
+
+
+def summarize(run_dir: str | Path, *baseline_dirs: str | Path | None) -> dict[str, Any]:
+    """What ``run_dir``'s run did; ``scaling_efficiency`` and ``baseline_images_per_sec`` are against the first
+    baseline, ``baselines`` lists every one (run, images_per_sec, global_batch, rule, scaling_efficiency)."""
     events = _last_run(read_metrics(run_dir))
     config = next(e for e in events if e["event"] == "config")
     final = next((e for e in reversed(events) if e["event"] == "final"), {})
@@ -49,18 +68,28 @@ def summarize(run_dir: str | Path, baseline_dir: str | Path | None = None) -> di
         "top1": final.get("top1"), "top5": final.get("top5"), "steps": final.get("step"),
         "wall_sec": final.get("wall_sec"), "images_per_sec": throughput(events),
     }
-    if baseline_dir is not None:
-        base = throughput(read_metrics(baseline_dir))
-        if base and out["images_per_sec"]:
-            out["baseline_images_per_sec"] = base
-            out["scaling_efficiency"] = out["images_per_sec"] / (out["replicas"] * base)
+    out["global_batch"] = _batch(config)[0]
+    out["baselines"] = []
+    for baseline_dir in (d for d in baseline_dirs if d is not None):
+        base_events = _last_run(read_metrics(baseline_dir))
+        base = throughput(base_events)
+        if not (base and out["images_per_sec"]):
+            continue
+        base_batch = _batch(next(e for e in base_events if e["event"] == "config"))
+        out["baselines"].append({
+            "run": str(baseline_dir), "images_per_sec": base, "global_batch": base_batch[0],
+            "rule": scaling_rule(_batch(config), base_batch),
+            "scaling_efficiency": out["images_per_sec"] / (out["replicas"] / base_batch[1] * base)})
+    if out["baselines"]:
+        out["baseline_images_per_sec"] = out["baselines"][0]["images_per_sec"]
+        out["scaling_efficiency"] = out["baselines"][0]["scaling_efficiency"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(args) <= 2:
-        print("usage: python -m hvrep.perf.summary RUN_DIR [ONE_REPLICA_RUN_DIR]", file=sys.stderr)
+    if not args:
+        print("usage: python -m hvrep.perf.summary RUN_DIR [ONE_REPLICA_RUN_DIR...]", file=sys.stderr)
         return 2
     try:
         s = summarize(*args)
@@ -72,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     if s["top1"] is not None:
         print(f"  validation top-1 {s['top1']:.4f}, top-5 {s['top5']:.4f}")
     print(f"  throughput {s['images_per_sec'] or 0:,.0f} images/s (median epoch)")
-    if "scaling_efficiency" in s:
-        print(f"  1 replica: {s['baseline_images_per_sec']:,.0f} images/s -> scaling efficiency "
-              f"{100 * s['scaling_efficiency']:.0f}% at {s['replicas']} replicas (measured side by side on this "
-              "machine; both ranks share its cores)")
+    for b in s["baselines"]:
+        per = {"weak": f"{b['rule']} scaling, the same {s['global_batch'] // s['replicas']} images per replica",
+               "strong": f"{b['rule']} scaling, the same global batch of {s['global_batch']}"}.get(
+            b["rule"], f"mixed: global batch {b['global_batch']} against {s['global_batch']}")
+        print(f"  {b['run']}: {b['images_per_sec']:,.0f} images/s -> scaling efficiency "
+              f"{100 * b['scaling_efficiency']:.0f}% at {s['replicas']} replicas ({per})")
+    if s["baselines"]:
+        print("  (measured side by side on this machine; the ranks share its cores)")
     print(f"  outputs: {s['run']}/metrics.jsonl, {s['run']}/tensorboard/, {s['run']}/checkpoints/")
     return 0
 
