@@ -19,6 +19,11 @@ pipeline to start (``make demo``: ~70 ms of Python to build the pipeline and
 ~75 ms to its first batch, ~10% of a 2-rank epoch; see README, "What the demo
 shows"). An error it meets (a missing shard, a corrupt first image) is raised
 where the epoch starts, as it would have been without it.
+
+The finished epoch's iterator is let go on another background thread: deleting a
+tf.data iterator waits for its autotuning thread, and on a loaded core that took
+up to 1.3 s (``make demo``, rank 1, 2 cores), which the other rank then spent
+waiting in its first all-reduce of the next epoch.
 """
 
 from __future__ import annotations
@@ -223,7 +228,8 @@ class Controller:
         # The next epoch's input (its _epoch_input and the future of its _batches), starting on `pool` while this
         # epoch is evaluated and saved (see the module docstring).
         ahead: tuple[tuple[Any, ...], Future] | None = None
-        with stop_on_signals() as stop, ThreadPoolExecutor(1, thread_name_prefix="hvrep-next-epoch") as pool:
+        with (stop_on_signals() as stop, ThreadPoolExecutor(1, thread_name_prefix="hvrep-next-epoch") as pool,
+              ThreadPoolExecutor(1, thread_name_prefix="hvrep-release") as release):
             epoch = int(state.epoch.numpy())
             while epoch < epochs:
                 position = int(state.position.numpy())
@@ -250,7 +256,12 @@ class Controller:
                     else:
                         if lp.in_loop and (reason := self._end_of_loop(lp, stop)):  # the epoch's last, shorter loop
                             summary["stopped"] = reason
-                started = None  # the finished epoch's iterator goes now, not when the next one replaces it
+                # The finished epoch's iterator (held by `started` and by `pending`'s result) is deleted on
+                # `release`, not here and not when the next epoch's replaces it (see the module docstring).
+                finished: list[Any] = [started, pending]
+                started = pending = None
+                release.submit(finished.clear)
+                del finished
                 segments = lp.segments
                 loss_sum, correct_sum, steps_done, bar, t0 = lp.loss_sum, lp.correct_sum, lp.steps_done, lp.bar, lp.t0
                 bar.close()

@@ -162,3 +162,19 @@ def test_config_typos_are_refused_with_the_choices():
         DataConfig("x", layout="NWHC")
     with pytest.raises(ConfigError, match="image_size"):
         DataConfig("x", image_size=300, resize_size=256)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_thread_budget_turns_autotuning_off_and_the_same_batches_come(data, split):
+    # With `threads` (train.threads) the pipeline keeps to its budget: no autotuning model thread, whose
+    # optimisation runs outside it and which deleting an iterator waited for (up to 1.3 s, make demo).
+    root, _ = data
+    config = _config(root, "tfrecord")
+    ctx = InputContext(1, 2, 8)
+    budget, free = make_dataset(config, split, ctx, threads=1), make_dataset(config, split, ctx)
+    assert budget.options().threading.private_threadpool_size == 1
+    assert budget.options().autotune.enabled is False
+    assert free.options().autotune.enabled is not False
+    for (x1, y1), (x2, y2) in zip(budget, free, strict=True):
+        np.testing.assert_array_equal(y1.numpy(), y2.numpy())
+        np.testing.assert_array_equal(x1.numpy(), x2.numpy())

@@ -17,6 +17,7 @@ import hvrep.train.steps
 from hvrep.data import write_demo
 from hvrep.errors import DataError
 from hvrep.train import config as configs
+from hvrep.train.controller import Controller
 from hvrep.train.main import run
 
 
@@ -90,6 +91,36 @@ def test_the_next_epochs_input_starts_while_this_epoch_is_evaluated(demo_data, t
     monkeypatch.setattr(hvrep.train.steps.Runner, "evaluate", evaluate)
     assert run(cfg)["stopped"] == "completed"
     assert waited == [True, True, None]
+
+
+def test_a_finished_epochs_iterator_is_deleted_off_the_main_thread(demo_data, tmp_path, monkeypatch):
+    # Deleting a tf.data iterator waits for its autotuning thread (up to 1.3 s in make demo): on the main
+    # thread that wait delayed the next epoch's first step, and every other rank with it.
+    cfg = _demo_cfg(demo_data, tmp_path / "run")
+    deleted_on = []
+
+    class Tracked:
+        def __init__(self, it):
+            self.it = it
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.it)
+
+        def __del__(self):
+            deleted_on.append(threading.current_thread().name)
+
+    real_batches = Controller._batches
+
+    def batches(self, train_input):
+        it, first = real_batches(self, train_input)
+        return Tracked(it), first
+
+    monkeypatch.setattr(Controller, "_batches", batches)
+    assert run(cfg)["stopped"] == "completed"
+    assert len(deleted_on) == 3 and all(name.startswith("hvrep-release") for name in deleted_on), deleted_on
 
 
 def test_an_input_error_of_a_later_epoch_is_raised_where_that_epoch_starts(demo_data, tmp_path, monkeypatch):
