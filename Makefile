@@ -55,7 +55,8 @@ $(KERNELS): $(STAMP) $(KERNEL_SOURCES)
 # The main job: the demo preset on $(NP) ranks, two short 1-rank runs of the same
 # configuration for the scaling baselines, then a report. Fair protocol: every
 # rank, and the baselines, get one core of their own (train.threads=1: TF's and
-# tf.data's pools), so the scaling figure compares like with like. Baselines:
+# tf.data's pools; train.bind_cores=true: rank k's threads on core k, as mpirun
+# binds and horovodrun --gloo does not), so the scaling figure compares like with like. Baselines:
 # -1rank keeps each rank's batch (64 / $(NP) images: weak scaling, the usual
 # definition), -1rank-gb64 the global batch of 64 (strong scaling).
 DEMO_RUN ?= runs/demo
@@ -64,11 +65,11 @@ DEMO_BASELINE_EPOCHS ?= 5
 demo: setup
 	rm -rf $(DEMO_RUN) $(DEMO_RUN)-1rank $(DEMO_RUN)-1rank-gb64 $(DEMO_RUN)-report
 	$(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)-1rank train.epochs=$(DEMO_BASELINE_EPOCHS) \
-		train.global_batch=$$((64 / $(NP))) train.threads=$(DEMO_THREADS)
+		train.global_batch=$$((64 / $(NP))) train.threads=$(DEMO_THREADS) train.bind_cores=true
 	$(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)-1rank-gb64 train.epochs=$(DEMO_BASELINE_EPOCHS) \
-		train.threads=$(DEMO_THREADS)
+		train.threads=$(DEMO_THREADS) train.bind_cores=true
 	$(BIN)/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN) \
-		train.threads=$(DEMO_THREADS)
+		train.threads=$(DEMO_THREADS) train.bind_cores=true
 	$(BIN)/python -m hvrep.perf.summary $(DEMO_RUN) $(DEMO_RUN)-1rank $(DEMO_RUN)-1rank-gb64
 	$(BIN)/hvrep report $(DEMO_RUN)-1rank $(DEMO_RUN) --out $(DEMO_RUN)-report
 

@@ -109,7 +109,10 @@ class TrainConfig:
       threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
         pool get this many. None: TensorFlow's defaults (every rank sizes its pools for every core of
         the node). The scaling protocol in README gives each rank, and the 1-rank baseline, threads=1.
-        Ranks are not pinned to cores here; a launcher's binding does that (mpirun --bind-to core).
+      bind_cores: with ``threads``, bind each rank's threads to ``threads`` cores of its own (local rank k:
+        the k-th block of the node's cores), as ``mpirun --bind-to core`` does and ``horovodrun --gloo`` does
+        not (``hvrep/train/cores.py``). A process a launcher or Slurm has bound already keeps its binding.
+        Off by default: two independent runs on one node would share their first cores.
       loop: "custom" (hvrep's loop: ``controller.py``, resumable, signal-aware) or "fit" (Keras' ``model.fit``
         through ``hvrep.keras``: ``fitloop.py``; no --resume, no gradient accumulation).
     """
@@ -125,6 +128,7 @@ class TrainConfig:
     log_every: int = 50
     steps_per_loop: int = 10
     threads: int | None = None
+    bind_cores: bool = False
     loop: str = "custom"
 
     def __post_init__(self) -> None:
@@ -142,6 +146,9 @@ class TrainConfig:
         _at_least("train.steps_per_loop", self.steps_per_loop, 1)
         if self.threads is not None:
             _at_least("train.threads", self.threads, 1)
+        if self.bind_cores and self.threads is None:
+            raise ConfigError("train.bind_cores=true needs train.threads (the cores each rank gets). Fix: set "
+                              "train.threads=N as well, or leave train.bind_cores=false.")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from typing import Any
 from hvrep import kernels
 from hvrep.errors import HvrepError
 from hvrep.train import config as configs
+from hvrep.train import cores
 
 
 def _optimizer(cfg: configs.RunConfig, steps_per_epoch: int, train_images: int) -> tuple[Any, int, float]:
@@ -112,6 +113,8 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
     repl = hvrep.Replicator("auto", config=cfg.comm)
     chief, n = repl.is_chief, repl.num_replicas
+    binding = (cores.bind_cores(repl.local_rank, repl.local_size, cfg.train.threads) if cfg.train.bind_cores
+               else cores.Binding(cores.current_cores(), bound_here=False))
     out = Path(cfg.output_dir)
     demo_root = _env.cache_dir() / "demo-data"
     if chief and Path(cfg.data.data_dir).parent == demo_root:
@@ -129,7 +132,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
 
     keras.utils.set_random_seed(cfg.train.seed)
     if cfg.train.loop == "fit":
-        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images)
+        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding)
     with repl.scope():
         model = _model(cfg)
         optimizer, epochs, smoothing = _optimizer(cfg, steps_per_epoch, train_images)
@@ -163,6 +166,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,
                  "kernels": kernels.status().describe()}
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
+           "cores": list(binding.cores), "bound_here": binding.bound_here,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
                   optimizer=type(getattr(optimizer, "inner_optimizer", optimizer)).__name__, epochs=epochs,
@@ -195,7 +199,7 @@ def _finish(summary: dict[str, Any], metrics: Any, n: int) -> dict[str, Any]:
 
 
 def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: int, train_images: int,
-             val_images: int) -> dict[str, Any]:
+             val_images: int, binding: cores.Binding) -> dict[str, Any]:
     """``train.loop=fit``: the same model, optimizer, data and evaluation, trained by Keras' fit."""
     import tensorflow as tf
 
@@ -205,7 +209,8 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
     fitloop.check_supported(cfg, resume)
     n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
     metrics = MetricsWriter(out, repl.is_chief)
-    env = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+    env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
+           "cores": list(binding.cores), "bound_here": binding.bound_here,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile, "input": cfg.data.backend,
                  "loop": "fit", "kernels": kernels.status().describe()}
