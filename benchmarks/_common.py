@@ -84,8 +84,23 @@ def timing_parser(doc: str | None, out: str, repeats_of: str, seed_of: str, quic
     return p
 
 
+def add_shrink_flag(p: argparse.ArgumentParser) -> None:
+    """--shrink N, for the benchmarks of ResNet-50's tensors: the same tensors, about 1/N of the bytes."""
+    p.add_argument("--shrink", type=int, default=1, metavar="N",
+                   help="divide each tensor's last dimension by N, rounded up: the same tensors with about 1/N of "
+                        "the bytes, so a smoke test checks every case and record in seconds (default 1: ResNet-50's "
+                        "own sizes; timings at N > 1 are not ResNet-50's)")
+
+
+def shrink_shapes(shapes: Sequence[tuple[str, tuple[int, ...]]], n: int) -> list[tuple[str, tuple[int, ...]]]:
+    """``shapes`` with each last dimension divided by ``n``, rounded up; n = 1 leaves them as they are."""
+    return [(name, (*s[:-1], -(-s[-1] // n))) for name, s in shapes]
+
+
 def parse_timing_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
+    if getattr(args, "shrink", 1) < 1:
+        p.error(f"--shrink must be >= 1, got {args.shrink}.")
     if args.quick:
         args.warmup, args.repeats = args._quick
     if args.repeats < 1:

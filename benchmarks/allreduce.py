@@ -40,7 +40,7 @@ the value in effect is recorded. With it above zero Horovod may fuse the
 separate collectives of the unfused cases again, on the wire.
 
 Usage:
-    mpirun -np 2 python -m mpi4py benchmarks/allreduce.py [--repeats N] [--warmup N] [--out FILE] [--quick]
+    mpirun -np 2 python -m mpi4py benchmarks/allreduce.py [--repeats N] [--warmup N] [--out FILE] [--quick] [--shrink N]
     horovodrun -np 2 --gloo python benchmarks/allreduce.py [...]
 
 Rank 0 appends one JSON line per case to ``--out``, all lines of a run sharing
@@ -74,7 +74,16 @@ from hvrep.models import resnet50_variable_shapes
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_jsonl, fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser
+from _common import (
+    add_shrink_flag,
+    append_jsonl,
+    fmt_ratio,
+    parse_timing_args,
+    percentiles,
+    ratio,
+    shrink_shapes,
+    timing_parser,
+)
 from _common import environment as common_environment
 from _common import run_id as new_run_id
 
@@ -284,6 +293,7 @@ def _environment(hvd: Any, comm: Any) -> dict[str, Any]:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = timing_parser(__doc__, "results/allreduce.jsonl", "case", "gradients", QUICK_WARMUP, QUICK_REPEATS)
+    add_shrink_flag(p)
     return parse_timing_args(p, argv)
 
 
@@ -298,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         comm = MPI.COMM_WORLD
 
-    shapes = resnet50_variable_shapes()
+    shapes = shrink_shapes(resnet50_variable_shapes(), args.shrink)
     num_params = sum(math.prod(s) for _, s in shapes)
     payload_bytes = 4 * num_params
     rng = np.random.default_rng(args.seed)
@@ -366,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "warmup": args.warmup,
         "quick": args.quick,
         "seed": args.seed,
+        "shrink": args.shrink,
         "model": "resnet50_variable_shapes()",
         "num_tensors": len(shapes),
         "num_params": num_params,

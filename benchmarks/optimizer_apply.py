@@ -50,7 +50,7 @@ pattern (read-modify-write), so for it counted = moved. Every optimizer row
 reports its fraction of each.
 
 Usage:
-    python benchmarks/optimizer_apply.py [--repeats N] [--warmup N] [--out FILE] [--quick]
+    python benchmarks/optimizer_apply.py [--repeats N] [--warmup N] [--out FILE] [--quick] [--shrink N]
 
 One JSON line per case is appended to ``--out``, all lines of a run sharing
 one ``run_id``; a readable table and the headline (fused vs per-variable LARS,
@@ -83,7 +83,17 @@ from hvrep.optimizers import LARS, MomentumSGD
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_jsonl, fmt_ratio, parse_timing_args, percentiles, ratio, timing_parser, warm_up
+from _common import (
+    add_shrink_flag,
+    append_jsonl,
+    fmt_ratio,
+    parse_timing_args,
+    percentiles,
+    ratio,
+    shrink_shapes,
+    timing_parser,
+    warm_up,
+)
 from _common import environment as common_environment
 from _common import run_id as new_run_id
 
@@ -299,6 +309,7 @@ def _environment() -> dict[str, Any]:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = timing_parser(__doc__, "results/optimizer_apply.jsonl", "case", "weights and gradients",
                       QUICK_WARMUP, QUICK_REPEATS)
+    add_shrink_flag(p)
     return parse_timing_args(p, argv)
 
 
@@ -347,7 +358,7 @@ def _headline(by_key: dict[tuple[str, str], _Case]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    shapes = resnet50_variable_shapes()
+    shapes = shrink_shapes(resnet50_variable_shapes(), args.shrink)
     num_params = sum(math.prod(s) for _, s in shapes)
     bytes_per_step = BYTES_PER_PARAM * num_params
     rng = np.random.default_rng(args.seed + 1)
@@ -386,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "warmup": args.warmup,
         "quick": args.quick,
         "seed": args.seed,
+        "shrink": args.shrink,
         "num_variables": len(shapes),
         "num_params": num_params,
         "dtype": "float32",

@@ -6,6 +6,10 @@ holds no connection open and answers nothing) with comm.timeout_s=20: the other 
 A user's input_fn that yields more batches on one rank ends the job with an error naming both ranks' calls.
 Without the watchdog the last two hang until the test's own deadline (README, "When things go wrong").
 Every launch runs in its own process group, which is continued and killed whatever the test's outcome.
+
+The file's launches run 3 at a time (threads, one Popen each), for the CI clock: most of a SIGSTOP case is
+waiting out comm.timeout_s, not computing. Each launch's clock starts at its own signal, so the 60 s and 90 s
+bounds are checked as before; each (scenario, launcher) is still its own test, failing with its own message.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -117,10 +122,8 @@ def _wait(proc: subprocess.Popen, limit: float, log: Path, what: str) -> float:
     return time.monotonic() - t0
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
-def test_a_killed_rank_ends_every_rank_non_zero_within_60_s(demo_data, tmp_path, launcher):
-    out, log = tmp_path / "run", tmp_path / "job.log"
+def _sigkill(launcher: str, tmp: Path, demo_data: Path) -> str:
+    out, log = tmp / "run", tmp / "job.log"
     args = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.epochs=50",
             "train.log_every=1", "train.steps_per_loop=1"]
     with _launched(launcher, args, log) as proc:
@@ -129,13 +132,11 @@ def test_a_killed_rank_ends_every_rank_non_zero_within_60_s(demo_data, tmp_path,
         took = _wait(proc, 60, log, "SIGKILL of rank 1")
         assert proc.returncode != 0, log.read_text()[-4000:]
         assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE, "rank 0 outlived the job"
-    print(f"{launcher}: SIGKILL of rank 1 -> the job ended in {took:.1f} s, exit code {proc.returncode}")
+    return f"{launcher}: SIGKILL of rank 1 -> the job ended in {took:.1f} s, exit code {proc.returncode}"
 
 
-@pytest.mark.timeout(450)
-@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
-def test_a_stopped_rank_ends_the_others_within_90_s_with_a_report_naming_it(demo_data, tmp_path, launcher):
-    out, log = tmp_path / "run", tmp_path / "job.log"
+def _sigstop(launcher: str, tmp: Path, demo_data: Path) -> str:
+    out, log = tmp / "run", tmp / "job.log"
     args = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.epochs=50",
             "train.log_every=1", "train.steps_per_loop=1", "checkpoint.every_steps=2", "comm.timeout_s=20"]
     with _launched(launcher, args, log) as proc:
@@ -155,14 +156,12 @@ def test_a_stopped_rank_ends_the_others_within_90_s_with_a_report_naming_it(demo
     checkpoint = Path(final["checkpoint"])
     assert checkpoint.is_dir() and (checkpoint / "checkpoint.json").is_file(), final
     assert not list((out / "checkpoints").glob(".tmp-ckpt-*")), list((out / "checkpoints").iterdir())
-    print(f"{launcher}: SIGSTOP of rank 1 -> the job ended {took:.1f} s later "
-          f"({time.monotonic() - stopped_at:.1f} s), exit code {proc.returncode}")
+    return (f"{launcher}: SIGSTOP of rank 1 -> the job ended {took:.1f} s later "
+            f"({time.monotonic() - stopped_at:.1f} s), exit code {proc.returncode}")
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("launcher", ["mpirun"])  # the watchdog is the same under both; horovodrun passed too
-def test_uneven_input_across_ranks_is_an_error_naming_both_calls_not_a_hang(tmp_path, launcher):
-    log = tmp_path / "job.log"
+def _uneven(launcher: str, tmp: Path, demo_data: Path) -> str:
+    log = tmp / "job.log"
     script = str(harness.HERE / "uneven_input.py")
     cmd = ([str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
             script] if launcher == "mpirun" else
@@ -182,3 +181,59 @@ def test_uneven_input_across_ranks_is_an_error_naming_both_calls_not_a_hang(tmp_
     assert "the ranks are in different collectives at call #7 (rank(s) 0 in reduce(mean) at uneven_input.py:33; " \
         "rank(s) 1 in run(step_fn))" in text, text[-4000:]
     assert "input_fn yields different numbers of batches" in text
+    return f"{launcher}: uneven input -> exit code {proc.returncode}"
+
+
+@pytest.fixture(scope="module")
+def launches(request, demo_data, tmp_path_factory) -> Iterator[Callable[[Callable, str], str]]:
+    """``get(scenario, launcher)``: the scenario's summary line, or its failure raised here.
+
+    The first call starts every launch the selected tests of this file need, 3 at a time, SIGSTOP cases
+    first (they spend most of their time waiting); each test then waits for its own.
+    """
+    wanted = []
+    for item in request.session.items:
+        scenario = getattr(getattr(item, "function", None), "scenario", None)
+        if item.module is request.module and scenario is not None:
+            wanted.append((scenario, item.callspec.params["launcher"]))
+    wanted.sort(key=lambda w: [_sigstop, _uneven, _sigkill].index(w[0]))
+    futures: dict[tuple[str, str], Future] = {}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+
+        def get(scenario: Callable, launcher: str) -> str:
+            if not futures:
+                for each, on in wanted:
+                    tmp = tmp_path_factory.mktemp(f"{each.__name__.strip('_')}-{on}")
+                    futures[each.__name__, on] = pool.submit(each, on, tmp, demo_data)
+            return futures[scenario.__name__, launcher].result()
+
+        yield get
+
+
+def _runs(scenario: Callable) -> Callable[[Callable], Callable]:
+    def mark(test: Callable) -> Callable:
+        test.scenario = scenario
+        return test
+
+    return mark
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+@_runs(_sigkill)
+def test_a_killed_rank_ends_every_rank_non_zero_within_60_s(launches, launcher):
+    print(launches(_sigkill, launcher))
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+@_runs(_sigstop)
+def test_a_stopped_rank_ends_the_others_within_90_s_with_a_report_naming_it(launches, launcher):
+    print(launches(_sigstop, launcher))
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("launcher", ["mpirun"])  # the watchdog is the same under both; horovodrun passed too
+@_runs(_uneven)
+def test_uneven_input_across_ranks_is_an_error_naming_both_calls_not_a_hang(launches, launcher):
+    print(launches(_uneven, launcher))

@@ -9,6 +9,7 @@ Without Slurm, and no root to install it, every test here is skipped with the re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -65,11 +66,17 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _resumed_and_stepping(out: Path) -> bool:
-    """A second run (a requeue) wrote its config and then trained at least one step."""
+def _runs(out: Path) -> list[list[dict]]:
+    """metrics.jsonl split into runs: each start of the job appends one, from its `config` event on."""
     events = _events(out)
-    configs = [i for i, e in enumerate(events) if e["event"] == "config"]
-    return len(configs) > 1 and any(e["event"] == "train" for e in events[configs[1]:])
+    starts = [i for i, e in enumerate(events) if e["event"] == "config"]
+    return [events[a:b] for a, b in itertools.pairwise([*starts, len(events)])]
+
+
+def _stepping(out: Path, run: int, steps: int = 1) -> bool:
+    """Run ``run`` (1 = the first start of the job) wrote its config and then trained ``steps`` steps."""
+    runs = _runs(out)
+    return len(runs) >= run and sum(e["event"] == "train" for e in runs[run - 1]) >= steps
 
 
 def _wait_for(slurm: LocalSlurm, job: int, what: str, ready: Callable[[], bool], timeout: float) -> None:
@@ -131,38 +138,6 @@ def test_scaling_sweep_on_one_node_writes_each_run_and_the_report(slurm, demo_da
     assert "scaling efficiency" in text, slurm.describe(job)
 
 
-def test_preemptible_job_requeues_on_usr1_and_resumes_from_its_checkpoint(slurm, demo_data, tmp_path):
-    out = tmp_path / "run"
-    log = tmp_path / "job.out"
-    job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
-                                                      "train.epochs=50", "train.log_every=1"])
-    try:
-        _wait_for(slurm, job, "train event", lambda: any(e["event"] == "train" for e in _events(out)), JOB_TIMEOUT)
-        # What `#SBATCH --signal=USR1@120` does before the time limit: USR1 to every step, not the batch shell.
-        slurm.run(["scancel", "--signal=USR1", str(job)])
-
-        _wait_for(slurm, job, "train event after a requeue", lambda: _resumed_and_stepping(out), JOB_TIMEOUT)
-        info = slurm.job(job)
-    finally:
-        slurm.run(["scancel", str(job)], check=False)
-    assert int(info["Restarts"]) == 1, info
-    events = _events(out)
-    second = [i for i, e in enumerate(events) if e["event"] == "config"][1]
-    stopped = events[second - 1]
-    assert stopped["event"] == "final" and stopped["stopped"] == "signal" and stopped["epoch"] < 50, stopped
-    checkpoint = Path(stopped["checkpoint"])
-    assert checkpoint.name == f"ckpt-{stopped['step']:08d}" and checkpoint.parent == out / "checkpoints"
-    assert events[second]["resumed_from"] == str(checkpoint), events[second]
-    next_step = next(e["step"] for e in events[second:] if e["event"] == "train")
-    assert next_step == stopped["step"] + 1
-    text = log.read_text()  # --open-mode=append: both starts in one file
-    assert f"requeueing job {job}" in text and f"job {job} start 2" in text, slurm.describe(job)
-    try:
-        slurm.wait(job, 120)  # cancelled: its CPUs are free again for whatever runs next
-    except SlurmError as e:
-        pytest.fail(str(e))
-
-
 def _job_ranks(job: int) -> dict[int, psutil.Process]:
     """The job's `hvrep train` tasks on this node, by SLURM_PROCID."""
     found = {}
@@ -177,9 +152,13 @@ def _job_ranks(job: int) -> dict[int, psutil.Process]:
     return found
 
 
-def test_a_hung_rank_ends_the_preemptible_job_which_requeues_and_resumes(slurm, demo_data, tmp_path):
-    # SIGSTOP of one rank: hvrep's watchdog ends the other (exit 75), srun --kill-on-bad-exit the stopped one, and
-    # the script requeues; the next start resumes from the last complete checkpoint.
+def test_preemptible_job_requeues_on_usr1_then_on_a_hung_rank_and_resumes_each_time(slurm, demo_data, tmp_path):
+    # One job, three starts (the two requeue paths share one job: one first start fewer on the CI clock).
+    # Start 1: USR1, as `#SBATCH --signal=USR1@120` sends before the time limit (to every step, not the batch shell):
+    # every rank stops at the same step, the chief checkpoints, the script requeues. Start 2 resumes from that
+    # checkpoint; then one rank is SIGSTOPped (a hang): hvrep's watchdog ends the other (exit 75), srun
+    # --kill-on-bad-exit the stopped one, and the script requeues again. Start 3 resumes from the last complete
+    # checkpoint, one that start 2 wrote.
     out = tmp_path / "run"
     log = tmp_path / "job.out"
     job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
@@ -187,31 +166,47 @@ def test_a_hung_rank_ends_the_preemptible_job_which_requeues_and_resumes(slurm, 
                                                       "checkpoint.every_steps=2", "comm.timeout_s=20"])
     stopped: list[psutil.Process] = []
     try:
-        _wait_for(slurm, job, "a checkpoint", lambda: any(e["event"] == "train" and e["step"] >= 3
-                                                          for e in _events(out)), JOB_TIMEOUT)
+        _wait_for(slurm, job, "train event", lambda: _stepping(out, 1), JOB_TIMEOUT)
+        slurm.run(["scancel", "--signal=USR1", str(job)])
+
+        # 4 steps in start 2: a checkpoint (every 2 steps) from start 2 is complete before the hang.
+        _wait_for(slurm, job, "4 train events after a requeue", lambda: _stepping(out, 2, steps=4), JOB_TIMEOUT)
+        assert int(slurm.job(job)["Restarts"]) == 1, slurm.describe(job)
         ranks = _job_ranks(job)
         assert sorted(ranks) == [0, 1], ranks
         ranks[1].send_signal(signal.SIGSTOP)
         stopped.append(ranks[1])
 
-        _wait_for(slurm, job, "train event after a requeue", lambda: _resumed_and_stepping(out), JOB_TIMEOUT)
+        _wait_for(slurm, job, "train event after a second requeue", lambda: _stepping(out, 3), JOB_TIMEOUT)
         info = slurm.job(job)
     finally:
         for p in stopped:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGCONT)
         slurm.run(["scancel", str(job)], check=False)
-    assert int(info["Restarts"]) == 1, info
-    events = _events(out)
-    second = [i for i, e in enumerate(events) if e["event"] == "config"][1]
-    final = events[second - 1]
-    assert final["event"] == "final" and final["stopped"] == "timeout", final
-    assert "rank(s) 1 did not join" in final["report"], final
-    checkpoint = Path(final["checkpoint"])
-    assert events[second]["resumed_from"] == str(checkpoint), events[second]
-    text = log.read_text()
+    assert int(info["Restarts"]) == 2, info
+    first, second, third = _runs(out)[:3]
+    # Start 1 -> 2: USR1's clean stop, resumed at the next step.
+    signalled = first[-1]
+    assert signalled["event"] == "final" and signalled["stopped"] == "signal" and signalled["epoch"] < 50, signalled
+    checkpoint = Path(signalled["checkpoint"])
+    assert checkpoint.name == f"ckpt-{signalled['step']:08d}" and checkpoint.parent == out / "checkpoints"
+    assert second[0]["resumed_from"] == str(checkpoint), second[0]
+    assert next(e["step"] for e in second if e["event"] == "train") == signalled["step"] + 1
+    # Start 2 -> 3: the watchdog's timeout naming the stopped rank; resumed from start 2's last complete checkpoint.
+    timed_out = second[-1]
+    assert timed_out["event"] == "final" and timed_out["stopped"] == "timeout", timed_out
+    assert "rank(s) 1 did not join" in timed_out["report"], timed_out
+    checkpoint = Path(timed_out["checkpoint"])
+    # (Start 3 has pruned it by now, checkpoint.keep; that it resumed from it is the proof it was complete.)
+    assert int(checkpoint.name.removeprefix("ckpt-")) > signalled["step"], timed_out  # one that start 2 wrote
+    assert third[0]["resumed_from"] == str(checkpoint), third[0]
+    text = log.read_text()  # --open-mode=append: every start in one file
+    assert f"checkpoint saved; requeueing job {job}" in text, slurm.describe(job)
     assert "has not completed within comm.timeout_s=20 s: rank(s) 1 did not join" in text, slurm.describe(job)
     assert f"a collective timed out (hvrep's watchdog report is above); requeueing job {job}" in text, text[-3000:]
-    assert f"job {job} start 2" in text, slurm.describe(job)
-    with contextlib.suppress(SlurmError):
-        slurm.wait(job, 120)
+    assert f"job {job} start 2" in text and f"job {job} start 3" in text, slurm.describe(job)
+    try:
+        slurm.wait(job, 120)  # cancelled: its CPUs are free again for whatever runs next
+    except SlurmError as e:
+        pytest.fail(str(e))

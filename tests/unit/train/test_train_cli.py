@@ -40,9 +40,30 @@ def _mpirun(np_: int) -> list[str]:
             "mpi4py", "-m", "hvrep.cli"]
 
 
+def _command(args: list[str], ranks: int) -> list[str]:
+    return ([*_mpirun(ranks), "train"] if ranks > 1 else [HVREP, "train"]) + args
+
+
 def _train(args: list[str], ranks: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = ([*_mpirun(ranks), "train"] if ranks > 1 else [HVREP, "train"]) + args
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    return subprocess.run(_command(args, ranks), capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def _train_at_once(runs: list[tuple[list[str], int]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Independent runs (``(args, ranks)`` each, own output folders) at the same time, for the CI clock: much of
+    a short run is one process's TensorFlow start-up, which leaves the other core idle."""
+    procs = [subprocess.Popen(_command(args, ranks), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env()) for args, ranks in runs]
+    try:
+        done = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        return done
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _events(out: Path) -> list[dict]:
@@ -122,8 +143,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_two_ranks_with_the_same_sam
     import shutil
 
     shutil.copytree(two, one)
-    for out, ranks in ((two, 2), (one, 1)):
-        res = _train([*common, f"output_dir={out}", "train.max_steps=22", "--resume"], ranks=ranks)
+    for res in _train_at_once([([*common, f"output_dir={out}", "train.max_steps=22", "--resume"], ranks)
+                               for out, ranks in ((two, 2), (one, 1))]):
         assert res.returncode == 0, res.stderr[-3000:]
     from hvrep.data import Segment, epoch_plan
     from hvrep.train import config as configs
@@ -148,8 +169,9 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(demo_data, tmp_path)
     # 30 steps cross the epoch boundary (22 steps) and an evaluation; the stop at 12 is mid-epoch.
     common = ["--config", "demo", f"data.data_dir={demo_data}", "train.epochs=3"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert _train([*common, f"output_dir={straight}", "train.max_steps=30"]).returncode == 0
-    assert _train([*common, f"output_dir={split}", "train.max_steps=12"]).returncode == 0
+    for res in _train_at_once([([*common, f"output_dir={straight}", "train.max_steps=30"], 1),
+                               ([*common, f"output_dir={split}", "train.max_steps=12"], 1)]):
+        assert res.returncode == 0, res.stderr[-3000:]
     res = _train([*common, f"output_dir={split}", "train.max_steps=30", "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
     a = _weights(straight / "checkpoints" / "ckpt-00000030")
