@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -87,14 +86,18 @@ def _words(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def calibration_points(records: Sequence[dict[str, Any]], target_gbit: float) -> tuple[list, list[float]]:
+def calibration_points(records: Sequence[dict[str, Any]], target_gbit: float,
+                       ranks: int | None = None) -> tuple[list, list[float]]:
     """The calibration points of every rate but ``target_gbit``, bytes scaled to it, and the rates used.
 
-    Each ``kind: "allreduce"`` record at rate R gives (ranks, bytes·G/R, collectives, median seconds).
+    Each ``kind: "allreduce"`` record at rate R gives (ranks, bytes·G/R, collectives, median seconds);
+    ``ranks`` keeps only the records of that many ranks.
     """
     points, rates = [], set()
     for r in records:
         if r.get("kind") != "allreduce" or not r.get("ok", True):
+            continue
+        if ranks is not None and int(r["ranks"]) != ranks:
             continue
         rate = float(r["link_gbit"])
         if abs(rate - target_gbit) < 1e-9:
@@ -118,8 +121,37 @@ def predict_case(case: dict[str, Any], hosts: int, baseline_s: float, compute_s:
             "predicted_efficiency_overlap_bound": baseline_s / hidden.step_s}
 
 
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
+def comm_checks(records: Sequence[dict[str, Any]], targets: Sequence[float], hosts: int,
+                common: dict[str, Any]) -> list[dict[str, Any]]:
+    """``--comm-only``: each all-reduce at ``hosts`` hosts and a target rate, measured and predicted.
+
+    The model is fitted on the 2-host points of the other rates only, so the check covers both what the
+    fit never saw: the target rate and, with ``hosts`` > 2, the ring's 2(N-1)/N growth with the hosts.
+    """
+    out = []
+    for target in targets:
+        points, rates = calibration_points(records, target, ranks=2)
+        fit = costmodel.calibrate(points)
+        link = fit.interconnect("netbed, calibrated on 2 hosts")
+        for r in records:
+            if r["kind"] != "allreduce" or r["ranks"] != hosts or abs(r["link_gbit"] - target) > 1e-9:
+                continue
+            predicted = costmodel.allreduce_time(hosts, r["bytes"], link, r["collectives"], fit.beta_tensor_s)
+            out.append({**common, "kind": "allreduce_check", "hosts": hosts, "link_gbit": target,
+                        "bytes": r["bytes"], "collectives": r["collectives"], "measured_s": r["median_s"],
+                        "predicted_s": predicted, "measured_over_predicted": r["median_s"] / predicted,
+                        "calibration": {"alpha_s": fit.alpha_s, "beta_tensor_s": fit.beta_tensor_s,
+                                        "bus_bandwidth_GBps": fit.bus_bandwidth_GBps, "hosts": 2,
+                                        "rates_gbit": rates, "excluded_gbit": target}})
+    return out
+
+
+def _print_checks(checks: list[dict[str, Any]], out: Path, seconds: float) -> None:
+    print(f"{'hosts':>5} {'Gbit/s':>6} {'MB':>6} {'coll':>4} {'measured ms':>11} {'model ms':>9} {'ratio':>6}")
+    for c in checks:
+        print(f"{c['hosts']:>5} {c['link_gbit']:>6g} {c['bytes'] / 1e6:>6.2f} {c['collectives']:>4} "
+              f"{1e3 * c['measured_s']:>11.1f} {1e3 * c['predicted_s']:>9.1f} {c['measured_over_predicted']:>6.2f}")
+    print(f"model fitted on 2 hosts at the other rates; appended to {out}; {seconds:.0f} s")
 
 
 class _Bench:
@@ -139,8 +171,11 @@ class _Bench:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         # One TensorFlow thread per rank: one rank per core, as scaling efficiency assumes (README, "make demo").
         env.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+        # horovodrun: the bed's interface named, which skips its interface discovery (an ssh round per host).
+        # Not on one host: horovodrun then runs everything locally and wants the loopback among the interfaces.
+        extra = ("--network-interface", netbed.IFACE) if self.args.launcher == "horovodrun" and hosts > 1 else ()
         spec = launch.LaunchSpec(np=hosts, command=cmd, hosts=tuple(f"{h}:1" for h in bed.hosts[:hosts]),
-                                 launcher=self.args.launcher, allow_run_as_root=os.geteuid() == 0)
+                                 launcher=self.args.launcher, allow_run_as_root=os.geteuid() == 0, extra=extra)
         argv = launch.build_argv(spec, env)
         argv[0] = launch.find_launcher(argv[0], env)
         before = bed.counters()
@@ -169,8 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--launcher", choices=("mpirun", "horovodrun"), default="mpirun")
+    # Gloo (horovodrun) by default: its all-reduce reached 85-93% of a 0.1 Gbit/s link, steadily, where Open MPI's
+    # (ob1 over TCP) reached 63%, or 95% in some rounds (8 MB: 1.05 s or 0.71 s, bimodal; tbf queue 10, 50 or
+    # 200 ms alike, no drops at 50 ms). At 0.5-1 Gbit/s both reach 85-90%.
+    p.add_argument("--launcher", choices=("horovodrun", "mpirun"), default="horovodrun")
     p.add_argument("--launch-timeout", type=float, default=600)
+    p.add_argument("--comm-only", action="store_true",
+                   help="no training: time all-reduces on 2 and --hosts hosts at every rate and check the model "
+                        "fitted on 2 hosts at the other rates against --hosts hosts at each --link-gbit")
     p.add_argument("--out", type=Path, default=Path("results/multihost.jsonl"))
     args = p.parse_args(argv)
     if not 2 <= args.hosts <= 4:
@@ -194,18 +235,28 @@ def main(argv: Sequence[str] | None = None) -> int:
               "launcher": args.launcher, "ok": True}
     started = time.perf_counter()
     calib_records: list[dict[str, Any]] = []
+    rates = sorted(set(args.calib_gbit) | set(args.link_gbit)) if args.comm_only else args.calib_gbit
+    host_counts = sorted({2, args.hosts}) if args.comm_only else [args.hosts]
     with netbed.NetBed(hosts=args.hosts, link_gbit=None) as bed:
-        print(f"multihost: bed {bed.prefix}, {args.hosts} hosts; calibration at {args.calib_gbit} Gbit/s", flush=True)
-        for rate in args.calib_gbit:
+        print(f"multihost: bed {bed.prefix}, {args.hosts} hosts; all-reduces at {rates} Gbit/s", flush=True)
+        for rate in rates:
             bed.set_rate(rate)
-            result, moved = bench.launch(bed, args.hosts, [
-                "allreduce", "--sizes", ",".join(map(str, CALIB_SIZES)), "--counts", ",".join(map(str, CALIB_COUNTS))])
-            for case in result["cases"]:
-                calib_records.append({**common, "kind": "allreduce", "link_gbit": rate, **case,
-                                      "link_bytes": moved, "loadavg": result["loadavg"]})
-            best = max(c["bytes"] / c["median_s"] for c in result["cases"]) * 8 / 1e9
-            print(f"  {rate} Gbit/s: best all-reduce algbw {best:.3f} Gbit/s; link bytes {moved}", flush=True)
+            for hosts in host_counts:
+                result, moved = bench.launch(bed, hosts, [
+                    "allreduce", "--sizes", ",".join(map(str, CALIB_SIZES)),
+                    "--counts", ",".join(map(str, CALIB_COUNTS))])
+                for case in result["cases"]:
+                    calib_records.append({**common, "hosts": hosts, "kind": "allreduce", "link_gbit": rate, **case,
+                                          "link_bytes": moved, "loadavg": result["loadavg"]})
+                best = max(c["bytes"] / c["median_s"] for c in result["cases"]) * 8 / 1e9
+                print(f"  {hosts} hosts, {rate} Gbit/s: best all-reduce algbw {best:.3f} Gbit/s; link bytes {moved}",
+                      flush=True)
         append_jsonl(args.out, calib_records)
+        if args.comm_only:
+            checks = comm_checks(calib_records, args.link_gbit, args.hosts, common)
+            append_jsonl(args.out, checks)
+            _print_checks(checks, args.out, time.perf_counter() - started)
+            return 0
 
         bed.set_rate(None)  # one host: no traffic crosses a link
         train_args = ["train", "--width", str(args.width), "--batch", str(args.batch),

@@ -76,3 +76,18 @@ def test_arguments_are_checked_before_any_bed_is_built(mh, capsys):
     with pytest.raises(SystemExit):
         mh.main(["--link-gbit", "1", "--calib-gbit", "1"])
     assert "never fitted on the rate it predicts" in capsys.readouterr().err
+
+
+def test_comm_only_checks_four_hosts_against_a_fit_on_two_hosts_at_the_other_rates(mh):
+    # A ring on links of 0.9 x their rate: 2(N-1)/N x S / B, + 100 us per collective.
+    lines = []
+    for ranks in (2, 4):
+        for rate in (0.1, 0.25, 0.5, 1.0):
+            for nbytes in (1_000_000, 8_000_000):
+                for k in (1, 32):
+                    seconds = 2 * (ranks - 1) / ranks * nbytes * 8 / (0.9 * rate * 1e9) + k * 1e-4
+                    lines.append({**_line(rate, nbytes, k, seconds), "ranks": ranks})
+    checks = mh.comm_checks(lines, [0.5], 4, {"benchmark": "multihost"})
+    assert len(checks) == 4 and {c["hosts"] for c in checks} == {4}
+    assert all(c["measured_over_predicted"] == pytest.approx(1.0) for c in checks)
+    assert checks[0]["calibration"]["rates_gbit"] == [0.1, 0.25, 1.0] and checks[0]["calibration"]["hosts"] == 2
