@@ -100,14 +100,16 @@ def unavailable_reason() -> str | None:
 
 
 def tbf_burst_bytes(link_gbit: float) -> int:
-    """tbf's bucket for ``link_gbit``: 1 ms of traffic, at least 64 KiB.
+    """tbf's bucket for ``link_gbit``: 1 ms of traffic, at least 128 KiB.
 
-    A bucket smaller than one GSO segment (up to 64 KiB on a veth) makes tbf
-    split every segment, which costs CPU and lowers the rate reached; one of
-    1 ms lets a burst exceed the rate by at most 1 ms worth of bytes, which
-    is noise against all-reduces of tens of milliseconds.
+    The floor is measured: a veth hands tbf GSO segments of up to 64 KiB,
+    and with a 64 KiB bucket (which tc rounds to 65,500 bytes) a 4-host ring
+    all-reduce on 0.5 Gbit/s links reached 50% of the rate; with 128 or
+    256 KiB, 85-87% (8 MB, horovodrun --gloo, 2026-11-24). A bucket lets a
+    burst exceed the rate by its size: 128 KiB is 10 ms at 0.1 Gbit/s, 1 ms
+    at 1 Gbit/s, noise against all-reduces of tens to hundreds of ms.
     """
-    return max(64 * 1024, int(link_gbit * 1e9 / 8 * 1e-3))
+    return max(128 * 1024, int(link_gbit * 1e9 / 8 * 1e-3))
 
 
 @dataclass(frozen=True)

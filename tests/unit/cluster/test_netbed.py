@@ -52,8 +52,8 @@ def test_argv_on_enters_the_namespace_and_sets_the_host_name():
         bed.argv_on("h1", [])
 
 
-def test_tbf_bucket_is_one_millisecond_of_traffic_but_never_below_a_gso_segment():
-    assert netbed.tbf_burst_bytes(0.1) == 64 * 1024
+def test_tbf_bucket_is_one_millisecond_of_traffic_but_well_above_a_gso_segment():
+    assert netbed.tbf_burst_bytes(0.1) == netbed.tbf_burst_bytes(0.5) == 128 * 1024
     assert netbed.tbf_burst_bytes(10.0) == 1_250_000
 
 
