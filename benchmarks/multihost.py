@@ -155,9 +155,9 @@ def _print_checks(checks: list[dict[str, Any]], out: Path, seconds: float) -> No
 
 
 class _Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args = args
-        self.tmp = Path(tempfile.mkdtemp(prefix="hvrep-multihost-"))
+        self.tmp = tmp  # the workers' result files, one per launch
         self.launches = 0
 
     def launch(self, bed: netbed.NetBed, hosts: int, worker_args: list[str]) -> tuple[dict[str, Any], dict]:
@@ -228,7 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"benchmarks/multihost.py: cannot build the bed: {reason}.", file=sys.stderr)
         return 2
 
-    bench = _Bench(args)
+    with tempfile.TemporaryDirectory(prefix="hvrep-multihost-") as tmp:
+        return _measure(args, _Bench(args, Path(tmp)))
+
+
+def _measure(args: argparse.Namespace, bench: _Bench) -> int:
     run_id = new_run_id()
     thresholds = [int(t) for t in args.thresholds.split(",") if t.strip()]
     common = {"benchmark": "multihost", "run_id": run_id, "hosts": args.hosts, "netns": True,
