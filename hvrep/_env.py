@@ -60,6 +60,17 @@ SLURM_JOB_ID = "SLURM_JOB_ID"
 HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
 HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
 
+# Which network interface the launchers and transports use; hvrep writes them (hvrep.cluster.netbed), for the
+# launched processes to read: Gloo's interface (horovodrun --gloo sets its own from --network-interface or
+# its discovery), Open MPI's TCP transport and its selection, and PRRTE's (Open MPI 5's runtime) out-of-band
+# channel and remote agent (the command it runs instead of ssh to start a daemon on another host).
+HOROVOD_GLOO_IFACE = "HOROVOD_GLOO_IFACE"
+OMPI_MCA_PML = "OMPI_MCA_pml"
+OMPI_MCA_BTL = "OMPI_MCA_btl"
+OMPI_MCA_BTL_TCP_IF_INCLUDE = "OMPI_MCA_btl_tcp_if_include"
+PRTE_MCA_OOB_TCP_IF_INCLUDE = "PRTE_MCA_oob_tcp_if_include"
+PRTE_MCA_PLM_SSH_AGENT = "PRTE_MCA_plm_ssh_agent"
+
 # CUDA toolkit location (the GPU build of Horovod).
 CUDA_HOME = "CUDA_HOME"
 

@@ -81,6 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("report", help="scaling report from run dirs / benchmark results (see `hvrep report --help`)",
                    add_help=False)
+    sub.add_parser("netbed", help="several hosts on this machine: network namespaces on shaped links (root; "
+                   "see `hvrep netbed --help`)", add_help=False)
 
     p = sub.add_parser("doctor", help="print the environment a bug report needs; check requirements")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -147,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         from hvrep.perf.report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["netbed"]:
+        from hvrep.cluster.netbed import main as netbed_main
+
+        try:
+            return netbed_main(argv[1:])
+        except HvrepError as e:
+            print(f"hvrep netbed: error: {e}", file=sys.stderr)
+            return 2
     args = _build_parser().parse_args(argv)
     # Keep TensorFlow's C++ start-up chatter out of the command's output.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -29,6 +29,12 @@ recorded). ``--allow-mixed`` reports them anyway and lists the differences.
 
 ``--interconnect`` adds what ``hvrep.costmodel`` predicts for 8 to 1,024 H100
 GPUs on that link, labelled as a model, next to published measurements.
+
+Lines of ``benchmarks/multihost.py`` (``"benchmark": "multihost"``; its
+``kind: "scaling"`` lines carry ``hosts``, ``link_gbit``, the setting,
+``measured_efficiency`` and ``predicted_efficiency``) go to their own page,
+``multihost.md``, with a plot of measured against predicted efficiency
+(``load_multihost``, ``render_multihost``); its calibration lines are read there only.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ from hvrep.perf.summary import throughput
 
 _METRICS = "metrics.jsonl"
 _THROUGHPUT_PNG, _EFFICIENCY_PNG, _BREAKDOWN_PNG = "throughput.png", "efficiency.png", "breakdown.png"
+MULTIHOST = "multihost"  # benchmarks/multihost.py's lines
+_MULTIHOST_MD, _MULTIHOST_PNG = "multihost.md", "multihost.png"
+_MIB = 1024 * 1024
 _NOT_RECORDED = "not recorded"
 # The model table: powers of two from one 8-GPU node to 1,024 GPUs.
 _MODEL_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -188,8 +197,11 @@ class ScalingRow:
 # --------------------------------------------------------------------------- loading
 
 
-def load_results(paths: Iterable[str | Path]) -> list[Run]:
-    """Reads training run folders and benchmark JSON-lines files (see the module docstring)."""
+def load_results(paths: Iterable[str | Path], allow_empty: bool = False) -> list[Run]:
+    """Reads training run folders and benchmark JSON-lines files (see the module docstring).
+
+    ``allow_empty``: return [] instead of raising when the files hold only ``multihost`` lines.
+    """
     runs: list[Run] = []
     for given in paths:
         path = Path(given)
@@ -207,7 +219,7 @@ def load_results(paths: Iterable[str | Path]) -> list[Run]:
                 runs.extend(_runs_from_benchmark(path, records))
         else:
             raise DataError(f"{path} does not exist. Fix: pass `hvrep train` output folders or benchmark .jsonl files.")
-    if not runs:
+    if not runs and not allow_empty:
         raise DataError("no results given. Fix: pass at least one run folder or benchmark .jsonl file.")
     return runs
 
@@ -271,6 +283,8 @@ def _runs_from_benchmark(path: Path, records: list[tuple[int, dict[str, Any]]]) 
     for number, record in records:
         if record.get("ok") is False:  # a failed case; benchmarks record it and carry on
             continue
+        if record.get("benchmark") == MULTIHOST:  # read by load_multihost, reported on their own page
+            continue
         where = f"{path}:{number}"
         config = _need(record, "config", where, fix)
         ranks = config.get("ranks", config.get("replicas"))
@@ -297,7 +311,7 @@ def _runs_from_benchmark(path: Path, records: list[tuple[int, dict[str, Any]]]) 
                         hardware=_hardware(record.get("env") or record.get("environment")),
                         breakdown=_breakdown(summary.get("step_time_breakdown"), where),
                         backend=config.get("backend")))
-    if not runs:
+    if not runs and not any(record.get("benchmark") == MULTIHOST for _, record in records):
         raise DataError(f"{path} has no successful result (every line has ok: false). Fix: re-run the benchmark.")
     return runs
 
@@ -694,6 +708,139 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+# --------------------------------------------------------------------------- namespace hosts (benchmarks/multihost.py)
+
+
+@dataclass(frozen=True)
+class MultihostPoint:
+    """One setting of ``benchmarks/multihost.py`` at one link rate: measured and predicted efficiency.
+
+    Attributes:
+      source: ``file:line``.
+      hosts: namespace hosts, one rank each.
+      link_gbit: the shaped rate of every host link, Gbit/s.
+      fusion_threshold_bytes: hvrep's bucket size (0: one collective per gradient).
+      compression: "none" or "fp16" (the wire dtype).
+      overlap: whether the all-reduce could start before the backward pass ended.
+      measured_efficiency: t1 / measured step time.
+      predicted_efficiency: t1 / (compute + the calibrated model's all-reduce time).
+    """
+
+    source: str
+    hosts: int
+    link_gbit: float
+    fusion_threshold_bytes: int
+    compression: str
+    overlap: bool
+    measured_efficiency: float
+    predicted_efficiency: float
+
+    @property
+    def setting(self) -> str:
+        fusion = f"{self.fusion_threshold_bytes // _MIB} MiB" if self.fusion_threshold_bytes else "per tensor"
+        return f"fusion {fusion}, {self.compression}, overlap {'on' if self.overlap else 'off'}"
+
+
+def load_multihost(paths: Iterable[str | Path]) -> list[MultihostPoint]:
+    """The ``kind: "scaling"`` lines of ``benchmarks/multihost.py`` in the given files ([] when none)."""
+    points = []
+    for given in paths:
+        path = Path(given)
+        if not path.is_file() or path.name == _METRICS:
+            continue
+        for number, record in _read_jsonl(path):
+            if record.get("benchmark") != MULTIHOST or record.get("kind") != "scaling" or record.get("ok") is False:
+                continue
+            where = f"{path}:{number}"
+            fix = "re-run benchmarks/multihost.py, which writes it"
+            values = {k: _need(record, k, where, fix) for k in ("hosts", "link_gbit", "compression",
+                                                                  "measured_efficiency", "predicted_efficiency")}
+            for k in ("link_gbit", "measured_efficiency", "predicted_efficiency"):
+                if not _is_number(values[k]) or not 0 <= values[k] < math.inf:
+                    raise DataError(f"{where}: {k} must be a finite number >= 0, got {values[k]!r}.")
+            points.append(MultihostPoint(
+                source=where, hosts=int(values["hosts"]), link_gbit=float(values["link_gbit"]),
+                fusion_threshold_bytes=int(record.get("fusion_threshold_bytes") or 0),
+                compression=str(values["compression"]), overlap=bool(record.get("overlap")),
+                measured_efficiency=float(values["measured_efficiency"]),
+                predicted_efficiency=float(values["predicted_efficiency"])))
+    return points
+
+
+def render_multihost(points: Sequence[MultihostPoint], out_dir: str | Path, tolerance: float = 0.15) -> Path:
+    """Writes out_dir/multihost.md (table) and multihost.png (efficiency vs link rate, measured and model)."""
+    if not points:
+        raise DataError("no benchmarks/multihost.py scaling lines. Fix: pass the --out file of that benchmark.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _plot_multihost(points, out / _MULTIHOST_PNG, tolerance)
+    ordered = sorted(points, key=lambda p: (p.hosts, p.link_gbit, p.fusion_threshold_bytes, p.compression, p.overlap))
+    off = [p for p in points if not p.overlap]
+    worst = max((abs(p.measured_efficiency - p.predicted_efficiency) for p in off), default=None)
+    lines = ["# Namespace hosts: measured vs model", "",
+             f"Generated by `hvrep report` from {len(points)} line(s) of `benchmarks/multihost.py`. Measured: "
+             "weak-scaling efficiency across network-namespace hosts on tbf-shaped links (one rank per host). "
+             "Model: `hvrep.costmodel` calibrated on the bed's all-reduce microbenchmark at the other link rates, "
+             "with the compute time of all ranks computing at once; overlap 0.", "",
+             "| hosts | link Gbit/s | setting | measured | model | measured - model |",
+             "|---:|---:|---|---:|---:|---:|"]
+    for p in ordered:
+        diff = p.measured_efficiency - p.predicted_efficiency
+        lines.append(f"| {p.hosts} | {p.link_gbit:g} | {p.setting} | {p.measured_efficiency:.3f} | "
+                     f"{p.predicted_efficiency:.3f} | {diff:+.3f} |")
+    lines.append("")
+    if worst is not None:
+        verdict = "within" if worst <= tolerance else "NOT within"
+        lines += [f"Largest |measured - model| with overlap off (what the model describes): {worst:.3f}, "
+                  f"{verdict} {tolerance}.", ""]
+    lines += [f"![efficiency vs link rate]({_MULTIHOST_PNG})", ""]
+    path = out / _MULTIHOST_MD
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _plot_multihost(points: Sequence[MultihostPoint], path: Path, tolerance: float) -> None:
+    """Left: efficiency vs link rate per setting (measured points, model dashed). Right: measured against
+    model, one point per line, with the diagonal and the ±tolerance band (several runs read well here)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.6), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, agree = fig.subplots(1, 2)
+    settings = sorted({(p.hosts, p.setting) for p in points})
+    for i, (hosts, setting) in enumerate(settings):
+        color = f"C{i % 10}"
+        mine = [p for p in points if (p.hosts, p.setting) == (hosts, setting)]
+        rates = sorted({p.link_gbit for p in mine})
+        label = f"{hosts} hosts, {setting}"
+        ax.plot([p.link_gbit for p in mine], [p.measured_efficiency for p in mine], "o", color=color, label=label)
+        model = [statistics.median(p.predicted_efficiency for p in mine if p.link_gbit == r) for r in rates]
+        ax.plot(rates, model, "--", color=color, alpha=0.8)
+        agree.plot([p.predicted_efficiency for p in mine], [p.measured_efficiency for p in mine], "o", color=color)
+    ax.plot([], [], "--", color="gray", label="model (median over runs)")
+    if len({p.link_gbit for p in points}) > 1:
+        ax.set_xscale("log")
+    ax.set_xlabel("link rate, Gbit/s (tbf, both directions)")
+    ax.set_ylabel("scaling efficiency (vs 1 host)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Efficiency vs link rate: measured (points), model (dashed)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6)
+    line = [0.0, 1.05]
+    agree.plot(line, line, color="gray", label="measured = model")
+    agree.fill_between(line, [v - tolerance for v in line], [v + tolerance for v in line], color="gray", alpha=0.15,
+                       label=f"±{tolerance}")
+    agree.set_xlim(0, 1.05)
+    agree.set_ylim(0, 1.05)
+    agree.set_xlabel("model (calibrated at the other link rates)")
+    agree.set_ylabel("measured")
+    agree.set_title("Measured against model, every setting and rate")
+    agree.grid(True, alpha=0.3)
+    agree.legend(fontsize=7)
+    fig.savefig(path)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -713,7 +860,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fit the model's per-collective overhead to benchmarks/allreduce.py results")
     args = parser.parse_args(argv)
     try:
-        runs = load_results(args.results)
+        multihost = load_multihost(args.results)
+        runs = load_results(args.results, allow_empty=bool(multihost))
+        if multihost:
+            page = render_multihost(multihost, args.out)
+            print(f"hvrep report: {len(multihost)} namespace-host line(s). Wrote {page} and {_MULTIHOST_PNG}")
+            if not runs:
+                return 0
         link = costmodel.interconnect(args.interconnect) if args.interconnect else None
         calibration = load_calibration(args.calibrate) if args.calibrate else None
         if calibration is not None and link is None:
