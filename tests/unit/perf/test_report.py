@@ -243,6 +243,7 @@ def test_interconnect_adds_the_labelled_model_table(strong: list[Path], tmp_path
     text = (out / "report.md").read_text()
     section = text.split("## Model: predicted scaling (cost model, not a measurement)", 1)[1]
     assert "**MODEL.**" in section and "46 GB/s" in section and "35.8 ms" in section
+    assert "the model's FORM" in section and "NOT checked" in section  # what the netbed validates, and not
     rows = [line for line in section.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in rows[:8]] == [8, 16, 32, 64, 128, 256, 512, 1024]
     # The 256-GPU row: one fused ring over NDR, by the model's formula.
