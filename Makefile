@@ -61,15 +61,17 @@ $(KERNELS): $(STAMP) $(KERNEL_SOURCES)
 # definition), -1rank-gb64 the global batch of 64 (strong scaling).
 DEMO_RUN ?= runs/demo
 DEMO_THREADS ?= 1
+# Binding needs NP x DEMO_THREADS cores; on a smaller machine the demo runs unbound.
+DEMO_BIND ?= $(shell [ $$(nproc) -ge $$(( $(NP) * $(DEMO_THREADS) )) ] && echo true || echo false)
 DEMO_BASELINE_EPOCHS ?= 5
 demo: setup
 	rm -rf $(DEMO_RUN) $(DEMO_RUN)-1rank $(DEMO_RUN)-1rank-gb64 $(DEMO_RUN)-report
 	$(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)-1rank train.epochs=$(DEMO_BASELINE_EPOCHS) \
-		train.global_batch=$$((64 / $(NP))) train.threads=$(DEMO_THREADS) train.bind_cores=true
+		train.global_batch=$$((64 / $(NP))) train.threads=$(DEMO_THREADS) train.bind_cores=$(DEMO_BIND)
 	$(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN)-1rank-gb64 train.epochs=$(DEMO_BASELINE_EPOCHS) \
-		train.threads=$(DEMO_THREADS) train.bind_cores=true
+		train.threads=$(DEMO_THREADS) train.bind_cores=$(DEMO_BIND)
 	$(BIN)/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(BIN)/hvrep train --config demo output_dir=$(DEMO_RUN) \
-		train.threads=$(DEMO_THREADS) train.bind_cores=true
+		train.threads=$(DEMO_THREADS) train.bind_cores=$(DEMO_BIND)
 	$(BIN)/python -m hvrep.perf.summary $(DEMO_RUN) $(DEMO_RUN)-1rank $(DEMO_RUN)-1rank-gb64
 	$(BIN)/hvrep report $(DEMO_RUN)-1rank $(DEMO_RUN) --out $(DEMO_RUN)-report
 
