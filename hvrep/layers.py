@@ -7,6 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from hvrep.compat import keras_batch_norm
 from hvrep.replica import collectives
 from hvrep.replica.context import active_backend
 
@@ -19,44 +20,23 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     ``keras.layers.BatchNormalization``; only the training-mode arithmetic
     differs. Keras 3 computes batch norm from separate ops (moments, then
     normalise) and differentiates through each; tf_keras, and so Horovod's
-    examples, used the fused kernel and its fused gradient. Measured on this
-    project's CPU machine, one process, one TF thread, ResNet-50 at 224 px,
-    batch 8, SGD step: Keras 3 2.46-2.66 s, Keras 3 with this layer
-    2.15-2.26 s, tf_keras 2.14-2.23 s (``benchmarks/vs_horovod.py`` has the
-    2-rank comparison). On GPUs the fused kernel is cuDNN's.
+    examples, used the fused kernel and its fused gradient
+    (``hvrep.compat.keras_batch_norm`` has the measurements). Inside
+    ``Replicator.run`` Keras' own layer trains this way too, by default
+    (``Replicator(batch_norm="fused")``); this layer does it everywhere
+    (``model.fit``, a step of your own).
 
-    The fused path is taken when training a 4-D input normalised over its last
-    axis (channels_last), without mask, renorm or ``synchronized``; every
-    other call is Keras' own (inference is a cheap scale-and-shift either way;
-    channels_first would need the NCHW kernel, which the CPU lacks).
+    The fused path is taken when training a 4-D float16/bfloat16/float32 input
+    normalised over its last axis (channels_last), without mask, renorm or
+    ``synchronized``; every other call is Keras' own (inference is a cheap
+    scale-and-shift either way; channels_first would need the NCHW kernel,
+    which the CPU lacks).
     """
 
-    def _fusable(self, inputs: Any, training: Any, mask: Any) -> bool:
-        rank = len(inputs.shape)
-        return bool(
-            training and self.trainable and mask is None and rank == 4 and self.axis in (-1, rank - 1)
-            and not self.renorm and not getattr(self, "synchronized", False)
-        )
-
     def call(self, inputs: Any, training: Any = None, mask: Any = None) -> Any:
-        if not self._fusable(inputs, training, mask):
+        if not keras_batch_norm.fusable(self, inputs, training, mask):
             return super().call(inputs, training=training, mask=mask)
-        # float32 arithmetic, as Keras' own layer does: half-precision moments overflow.
-        x = tf.cast(inputs, tf.float32)
-        channels = x.shape[-1]
-        gamma = tf.cast(self.gamma, tf.float32) if self.scale else tf.ones([channels], tf.float32)
-        beta = tf.cast(self.beta, tf.float32) if self.center else tf.zeros([channels], tf.float32)
-        empty = tf.constant([], tf.float32)
-        y, mean, variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=x, scale=gamma, offset=beta, mean=empty, variance=empty, epsilon=self.epsilon,
-            data_format="NHWC", is_training=True)
-        # The kernel's batch variance is Bessel-corrected (n / (n - 1)); Keras'
-        # moving variance, like the normalisation itself, uses the biased one.
-        n = tf.cast(tf.size(x) // channels, tf.float32)
-        variance = variance * ((n - 1.0) / tf.maximum(n, 1.0))
-        self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
-        self.moving_variance.assign(self.moving_variance * self.momentum + variance * (1.0 - self.momentum))
-        return tf.cast(y, self.compute_dtype)
+        return keras_batch_norm.fused_training_call(self, inputs)
 
 
 class CrossReplicaBatchNorm(keras.layers.BatchNormalization):

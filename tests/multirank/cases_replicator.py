@@ -289,6 +289,49 @@ def case_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch():
     np.testing.assert_allclose(crbn.moving_variance.numpy(), bn.moving_variance.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def case_keras_batch_norm_trains_fused_inside_run_and_as_keras_own_ops_would():
+    """Replicator(batch_norm="fused"), the default, on horovod: 2 ranks' steps of a model with Keras'
+    BatchNormalization build FusedBatchNormV3 and train the weights and moving statistics that
+    Replicator(batch_norm="keras") (Keras' own ops) trains, to 1e-5."""
+    me = _rank()
+    rng = np.random.default_rng(21)
+    x = rng.normal(1.0, 2.0, size=(3, 2, 4, 6, 6, 2)).astype(np.float32)  # step, rank, batch, h, w, c
+    y = rng.integers(0, 5, size=(3, 2, 4)).astype(np.int32)
+
+    def train(batch_norm):
+        r = hvrep.Replicator("horovod", batch_norm=batch_norm)
+        with r.scope():
+            keras.utils.set_random_seed(8)
+            model = keras.Sequential([
+                keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+                keras.layers.BatchNormalization(momentum=0.8), keras.layers.ReLU(),
+                keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
+            opt = keras.optimizers.SGD(0.1, momentum=0.9)
+            opt.build(model.trainable_variables)
+        ops: list = []
+
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                logits = model(xb, training=True)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
+            grads = hvrep.all_reduce(tape.gradient(loss, model.trainable_variables), "mean")
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+            return loss
+
+        for i in range(3):
+            r.run(step, args=(tf.constant(x[i, me]), tf.constant(y[i, me])))
+        return ops, [w.numpy() for w in model.weights], [w.numpy() for w in model.trainable_weights]
+
+    fused_ops, fused, fused_trainable = train("fused")
+    keras_ops, plain, _ = train("keras")
+    assert "FusedBatchNormV3" in fused_ops and "FusedBatchNormV3" not in keras_ops
+    for a, b in zip(fused, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # (The moving statistics are each rank's own batches', as with Keras' layer: not compared across ranks.)
+    assert _same_on_all_ranks(fused_trainable) == 0.0
+
+
 def case_process_placement_and_the_input_contexts_gpu():
     from hvrep import compat
 

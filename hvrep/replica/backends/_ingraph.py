@@ -261,10 +261,12 @@ class InGraphBackend(Backend):
         strategy = self.strategy
 
         def compile_fn(fn: Callable[..., Any]) -> Any:
+            body = self.step_body(fn)  # runs on each replica's thread
+
             def replicated(*a: Any, **k: Any) -> Any:
                 view = getattr(strategy, "one_replica_view", contextlib.nullcontext)
                 with view():
-                    return strategy.run(fn, args=a, kwargs=k)
+                    return strategy.run(body, args=a, kwargs=k)
 
             return tf.function(replicated, reduce_retracing=True)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from hvrep.compat import keras_batch_norm
 from hvrep.errors import CollectiveError
 from hvrep.replica import context, fusion
 from hvrep.replica.comm import CommConfig
@@ -137,6 +138,14 @@ class Backend(abc.ABC):
         self.collective_calls = 0
         # Not thread-local: MirroredStrategy runs each replica's fn in its own thread.
         self._run_depth = 0
+        # How Keras' BatchNormalization layers train in a step ``run`` traces: "fused" or "keras"
+        # (the Replicator sets it; see Replicator's batch_norm).
+        self.batch_norm = "fused"
+
+    def step_body(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """What ``run`` traces for the user's ``fn``, on each replica's thread: ``fn`` itself, inside
+        ``hvrep.compat.keras_batch_norm.fused_in_this_thread`` when ``batch_norm`` is "fused"."""
+        return keras_batch_norm.in_this_thread(fn) if self.batch_norm == "fused" else fn
 
     @classmethod
     @abc.abstractmethod

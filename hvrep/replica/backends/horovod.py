@@ -241,7 +241,7 @@ class HorovodBackend(Backend):
     # --- run ------------------------------------------------------------------------------
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        entry = self._functions.entry(fn, lambda f: tf.function(f, reduce_retracing=True))
+        entry = self._functions.entry(fn, lambda f: tf.function(self.step_body(f), reduce_retracing=True))
         tf_fn = entry[1]
         with self.replica_section(), watchdog.collective(f"run({getattr(fn, '__qualname__', repr(fn))})"):
             if entry[2] is None:

@@ -1,0 +1,121 @@
+"""Keras 3's BatchNormalization trained with TensorFlow's fused kernel, as tf_keras did.
+
+tf_keras (and so every Horovod example) trained ``BatchNormalization`` with
+``FusedBatchNormV3`` whenever it could (``fused=None``); Keras 3 dropped the
+option and computes batch norm from separate ops (moments, then normalise),
+differentiating through each. On this project's CPU machine, one process, one
+TF thread, ``keras.applications.ResNet50`` at 224 px, batch 8, an SGD step took
+2.36 s (median of 3 launches) that way, 1.78 s with the fused kernel and
+1.77 s on tf_keras (``benchmarks/batch_norm.py``; README, "Throughput against
+plain Horovod"). On GPUs the fused kernel is cuDNN's.
+
+Two ways in:
+
+* :func:`fused_training_call`: the arithmetic, for ``hvrep.layers.FusedBatchNormalization``.
+* :func:`fused_in_this_thread`: while it is active, in this thread, a
+  ``keras.layers.BatchNormalization`` (or a subclass that keeps Keras' own
+  moments) that can be fused trains through :func:`fused_training_call`.
+  ``Replicator.run`` traces a step inside it (``Replicator(batch_norm=...)``).
+
+Keras 3 has no hook for this (no ``fused`` argument, no dispatch on the
+layer's arithmetic), so the second way replaces ``BatchNormalization.call``
+once, the first time it is asked for, with a function that calls Keras' own
+``call`` unless this thread is inside :func:`fused_in_this_thread`. It is the
+one framework class hvrep touches (STYLE.md, principle 6, names the cost):
+outside a step hvrep traces, every BatchNormalization behaves, and builds the
+same graph, as Keras' own. Remove it when Keras gains a fused path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+_state = threading.local()
+_install_lock = threading.Lock()
+_keras_call: Any = None  # Keras' own BatchNormalization.call, once replaced
+
+# FusedBatchNormV3 takes these input dtypes (statistics in float32); float64 stays on Keras' path.
+_FUSABLE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def fusable(layer: Any, inputs: Any, training: Any, mask: Any) -> bool:
+    """True when ``layer(inputs, training, mask)`` trains a 4-D channels-last input that the fused kernel
+    normalises exactly as Keras does: no mask, renorm or ``synchronized``, a Python ``training`` that is
+    true, a trainable layer. Everything else (inference included) is Keras' own path."""
+    rank = len(inputs.shape)
+    return (
+        training is not None and not tf.is_tensor(training) and bool(training) and bool(layer.trainable)
+        and mask is None and rank == 4 and layer.axis in (-1, rank - 1)
+        and not getattr(layer, "renorm", False) and not getattr(layer, "synchronized", False)
+        and tf.as_dtype(inputs.dtype).name in _FUSABLE_DTYPES
+    )
+
+
+def fused_training_call(layer: Any, inputs: Any) -> Any:
+    """``layer``'s training-mode output for ``inputs``, and its moving statistics updated, through
+    ``FusedBatchNormV3``. Same outputs and updates as Keras' layer up to float32 rounding; call it only
+    where :func:`fusable` is true."""
+    # float32 arithmetic, as Keras' own layer does: half-precision moments overflow.
+    x = tf.cast(inputs, tf.float32)
+    channels = x.shape[-1]
+    gamma = tf.cast(layer.gamma, tf.float32) if layer.scale else tf.ones([channels], tf.float32)
+    beta = tf.cast(layer.beta, tf.float32) if layer.center else tf.zeros([channels], tf.float32)
+    empty = tf.constant([], tf.float32)
+    y, mean, variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=gamma, offset=beta, mean=empty, variance=empty, epsilon=layer.epsilon,
+        data_format="NHWC", is_training=True)
+    # The kernel's batch variance is Bessel-corrected (n / (n - 1)); Keras' moving
+    # variance, like the normalisation itself, uses the biased one.
+    n = tf.cast(tf.size(x) // channels, tf.float32)
+    variance = variance * ((n - 1.0) / tf.maximum(n, 1.0))
+    layer.moving_mean.assign(layer.moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
+    layer.moving_variance.assign(layer.moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+    return tf.cast(y, layer.compute_dtype)
+
+
+def _dispatching_call(self: Any, inputs: Any, training: Any = None, mask: Any = None) -> Any:
+    if (getattr(_state, "depth", 0) and type(self)._moments is keras.layers.BatchNormalization._moments
+            and fusable(self, inputs, training, mask)):
+        return fused_training_call(self, inputs)
+    return _keras_call(self, inputs, training=training, mask=mask)
+
+
+def _install() -> None:
+    global _keras_call
+    with _install_lock:
+        if _keras_call is None:
+            _keras_call = keras.layers.BatchNormalization.call
+            keras.layers.BatchNormalization.call = functools.wraps(_keras_call)(_dispatching_call)
+
+
+@contextlib.contextmanager
+def fused_in_this_thread() -> Iterator[None]:
+    """Inside, in this thread, Keras' BatchNormalization layers that can be fused train with the fused kernel.
+
+    Meant around the tracing of a step (a ``tf.function``'s Python body): the
+    graph it builds keeps the fused op after the context exits. Nests.
+    """
+    _install()
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def in_this_thread(fn: Any) -> Any:
+    """``fn`` that runs inside :func:`fused_in_this_thread` (the same signature, for ``tf.function``)."""
+
+    @functools.wraps(fn)
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        with fused_in_this_thread():
+            return fn(*args, **kwargs)
+
+    return fused
