@@ -23,9 +23,11 @@ Contenders, the same model, data, loss and optimizer settings:
 * ``hvrep``: the replica API on Keras 3: model and optimizer built in
   ``Replicator.scope()`` (which broadcasts them), the step
   ``tape -> grads -> hvrep.all_reduce(grads, "mean") -> apply_gradients``
-  run with ``Replicator.run``, under the ``CommConfig`` given as JSON; with
-  ``--batch-norm fused`` the model is ``hvrep.models.with_fused_batch_norm(model)``
-  (TensorFlow's fused batch-norm kernel, as tf_keras used).
+  run with ``Replicator.run``, under the ``CommConfig`` given as JSON, with
+  ``Replicator(batch_norm=--replicator-batch-norm)`` (default ``fused``: Keras'
+  BatchNormalization layers train with TensorFlow's fused kernel inside ``run``,
+  as tf_keras did; ``keras``: Keras 3's own ops); with ``--batch-norm fused``
+  the model is ``hvrep.models.with_fused_batch_norm(model)``.
 
 Both: one untimed first step (traces; Horovod's broadcast), ``--warmup``
 untimed steps, a barrier, then ``--steps`` timed steps, each timed until this
@@ -160,7 +162,7 @@ def hvrep_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Tenso
     import hvrep
 
     config = hvrep.CommConfig(**json.loads(args.comm_config))
-    repl = hvrep.Replicator(config=config)
+    repl = hvrep.Replicator(config=config, batch_norm=args.replicator_batch_norm)
     with repl.scope():
         keras.utils.set_random_seed(args.seed)
         model = build_model(keras, args.model, args.image_size)
@@ -176,12 +178,16 @@ def hvrep_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Tenso
             loss = loss_fn(labels, model(images, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(hvrep.all_reduce(grads, "mean"), model.trainable_variables, strict=True))
+        # What the trace built (the default graph is the step's own): which batch-norm arithmetic ran.
+        ops = [op.type for op in tf.compat.v1.get_default_graph().get_operations()]
+        info["traced_batch_norm_ops"] = {k: ops.count(k) for k in ("FusedBatchNormV3", "SquaredDifference")}
         return loss
 
     info: dict[str, Any] = {
         "framework": {"keras": f"keras {keras.__version__}", "horovod": horovod.__version__,
                       "hvrep": hvrep.__version__, "backend": repl.backend},
         "batch_norm": args.batch_norm,
+        "replicator_batch_norm": repl.batch_norm,
         "comm_config": dataclasses.asdict(config),
         "num_ranks": repl.num_replicas,
         "rank": repl.rank,
@@ -210,6 +216,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--comm-config", default="{}", help="hvrep only: CommConfig's keyword arguments, as JSON")
     p.add_argument("--batch-norm", choices=BATCH_NORMS, default="keras",
                    help="hvrep only: fused = hvrep.models.with_fused_batch_norm(model)")
+    p.add_argument("--replicator-batch-norm", choices=BATCH_NORMS, default="fused",
+                   help="hvrep only: Replicator(batch_norm=...)")
     p.add_argument("--model", choices=MODELS, default="resnet50")
     p.add_argument("--batch", type=int, default=8, help="per-rank batch")
     p.add_argument("--image-size", type=int, default=224)

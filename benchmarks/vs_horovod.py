@@ -25,9 +25,12 @@ Contenders (``_vs_horovod_worker.py`` holds both steps):
   fields). ``fusion_threshold_bytes`` is hvrep's own bucket size (0: one
   collective per tensor); Horovod's fusion buffer is
   ``horovod_fusion_threshold_bytes`` (None: Horovod's stock value, as for the
-  ``horovod`` contender). One key is not a CommConfig field: ``bn=fused``
-  builds the model as ``hvrep.models.with_fused_batch_norm(model)`` (``bn=keras``,
-  the default, leaves Keras 3's BatchNormalization). Without ``--hvrep``:
+  ``horovod`` contender). Two keys are not CommConfig fields:
+  ``batch_norm=keras`` is ``Replicator(batch_norm="keras")`` (Keras 3's own
+  batch-norm ops inside ``run``; default ``fused``, the Replicator's
+  default: TensorFlow's fused kernel), and ``bn=fused`` builds the model as
+  ``hvrep.models.with_fused_batch_norm(model)`` (``bn=keras``, the default,
+  leaves the ``keras.applications`` model as it is). Without ``--hvrep``:
   ``default=`` alone.
 
 Every launch is one contender on ``--np`` ranks (``mpirun --bind-to none``,
@@ -109,12 +112,14 @@ _ERROR_TAIL = 3000  # characters of a failed launch's output kept in its record
 @dataclasses.dataclass(frozen=True)
 class Contender:
     """One way to run the step: ``horovod``, ``horovod-keras3``, or hvrep with the CommConfig ``comm_config``
-    (keyword arguments) and the batch norm ``batch_norm`` ("keras" or "fused")."""
+    (keyword arguments), the model's batch-norm layers ``batch_norm`` ("keras": as built; "fused":
+    ``with_fused_batch_norm``) and ``Replicator(batch_norm=replicator_batch_norm)``."""
 
     name: str
     kind: str  # "horovod", "horovod-keras3" or "hvrep"
     comm_config: dict[str, Any] | None = None
     batch_norm: str = "keras"
+    replicator_batch_norm: str = "fused"
 
 
 # --- --hvrep NAME=k=v,k=v ---------------------------------------------------------------------
@@ -152,21 +157,21 @@ def parse_hvrep(spec: str) -> Contender:
                           "Fix: e.g. --hvrep default= or --hvrep fuse0=fusion_threshold_bytes=0.")
     fields = {f.name: f for f in dataclasses.fields(hvrep.CommConfig)}
     kwargs: dict[str, Any] = {}
-    batch_norm = "keras"
+    norms = {"bn": "keras", "batch_norm": "fused"}  # the model's layers; Replicator(batch_norm=...)
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if key == "bn" and eq:
+        if key in norms and eq:
             if value not in BATCH_NORMS:
-                raise ConfigError(f"--hvrep {spec!r}: bn={value!r} is not one of {', '.join(BATCH_NORMS)}. "
-                                  "Fix: bn=fused or bn=keras.")
-            batch_norm = value
+                raise ConfigError(f"--hvrep {spec!r}: {key}={value!r} is not one of {', '.join(BATCH_NORMS)}. "
+                                  f"Fix: {key}=fused or {key}=keras.")
+            norms[key] = value
             continue
         if not eq or key not in fields:
             raise ConfigError(f"--hvrep {spec!r}: {item!r} is not FIELD=VALUE with a CommConfig field. "
                               f"Fix: use one of {', '.join(fields)}.")
         kwargs[key] = _coerce(fields[key], value)
     hvrep.CommConfig(**kwargs)  # its own validation, its own message
-    return Contender(HVREP_PREFIX + name, "hvrep", kwargs, batch_norm)
+    return Contender(HVREP_PREFIX + name, "hvrep", kwargs, norms["bn"], norms["batch_norm"])
 
 
 # --- the legacy-Keras interpreter -------------------------------------------------------------
@@ -248,7 +253,8 @@ def launch_argv(contender: Contender, python: str, args: argparse.Namespace, env
                str(args.batch), "--image-size", str(args.image_size), "--warmup", str(args.warmup), "--steps",
                str(args.steps), "--seed", str(args.seed)]
     if contender.comm_config is not None:
-        command += ["--comm-config", json.dumps(contender.comm_config), "--batch-norm", contender.batch_norm]
+        command += ["--comm-config", json.dumps(contender.comm_config), "--batch-norm", contender.batch_norm,
+                    "--replicator-batch-norm", contender.replicator_batch_norm]
     spec = launch.LaunchSpec(np=args.np, command=tuple(command), launcher="mpirun", overcommit=True,
                              allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
     return launch.build_argv(spec, environ)

@@ -54,6 +54,11 @@ def test_hvrep_contenders_parse_into_comm_configs():
     assert (fused.batch_norm, fused.comm_config) == ("fused", {"fusion_threshold_bytes": 0})
     with pytest.raises(ConfigError, match=r"bn='cudnn'.*Fix: bn=fused"):
         bench.parse_hvrep("x=bn=cudnn")
+    plain = bench.parse_hvrep("k=batch_norm=keras")
+    assert (plain.batch_norm, plain.replicator_batch_norm, plain.comm_config) == ("keras", "keras", {})
+    assert bench.parse_hvrep("default=").replicator_batch_norm == "fused"  # the Replicator's default
+    with pytest.raises(ConfigError, match=r"batch_norm='none'.*Fix: batch_norm=fused"):
+        bench.parse_hvrep("x=batch_norm=none")
     with pytest.raises(ConfigError, match="NAME=k=v"):
         bench.parse_hvrep("fusion_threshold_bytes")
     with pytest.raises(ConfigError, match="CommConfig field"):
@@ -78,7 +83,7 @@ def test_launches_strip_horovod_knobs_and_cap_threads():
 def test_quick_run_launches_both_contenders_alternately(tmp_path):
     out = tmp_path / "vs.jsonl"
     cmd = [sys.executable, str(SCRIPT), "--model", "small", "--rounds", "1", "--warmup", "1", "--steps", "2",
-           "--hvrep", "default=bn=fused", "--horovod-keras3", "--timeout", "300", "--out", str(out)]
+           "--hvrep", "default=", "--horovod-keras3", "--timeout", "300", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
 
@@ -104,7 +109,10 @@ def test_quick_run_launches_both_contenders_alternately(tmp_path):
     assert "legacy-keras-venv" in horovod["worker_env"]["python"]
     assert mine["framework"]["keras"].startswith("keras 3") and mine["framework"]["backend"] == "horovod"
     assert mine["comm_config"] == dataclasses.asdict(hvrep.CommConfig())
-    assert mine["batch_norm"] == "fused"
+    # The keras.applications-style model as built; inside run its 3 BatchNormalization layers train with the
+    # fused kernel (Replicator's default), on the horovod backend.
+    assert (mine["batch_norm"], mine["replicator_batch_norm"]) == ("keras", "fused")
+    assert mine["traced_batch_norm_ops"] == {"FusedBatchNormV3": 3, "SquaredDifference": 0}
     # Horovod's own step on Keras 3, from this venv:
     assert keras3["framework"]["keras"].startswith("keras 3") and "hvrep" not in keras3["framework"]
     assert "TF_USE_LEGACY_KERAS" not in keras3["worker_env"]["variables"]
