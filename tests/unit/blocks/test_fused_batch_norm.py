@@ -55,12 +55,19 @@ def test_training_matches_keras(kwargs, compiled):
     np.testing.assert_allclose(fused(x, training=False), plain(x, training=False), atol=1e-5)
 
 
-def test_mixed_precision_matches_keras():
-    plain, fused, x = _pair(dtype="mixed_float16")
-    y_plain, _ = _train_step(plain, tf.cast(x, tf.float16))
-    y_fused, _ = _train_step(fused, tf.cast(x, tf.float16))
-    assert y_fused.dtype == y_plain.dtype == tf.float16
-    np.testing.assert_allclose(tf.cast(y_fused, tf.float32), tf.cast(y_plain, tf.float32), atol=2e-3)
+@pytest.mark.parametrize("policy,dtype,atol", [("mixed_float16", tf.float16, 2e-3),
+                                                ("mixed_bfloat16", tf.bfloat16, 2e-2)])
+def test_mixed_precision_matches_keras(policy, dtype, atol):
+    # Tolerances: one rounding of y (and of the input gradient) to the half type, on values of order 1.
+    plain, fused, x = _pair(dtype=policy)
+    y_plain, g_plain = _train_step(plain, tf.cast(x, dtype))
+    y_fused, g_fused = _train_step(fused, tf.cast(x, dtype))
+    assert y_fused.dtype == y_plain.dtype == dtype
+    np.testing.assert_allclose(tf.cast(y_fused, tf.float32), tf.cast(y_plain, tf.float32), atol=atol)
+    for a, b in zip(g_fused, g_plain, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(tf.cast(a, tf.float32), tf.cast(b, tf.float32), rtol=atol * 5, atol=atol * 5)
+    np.testing.assert_allclose(fused.moving_mean, plain.moving_mean, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fused.moving_variance, plain.moving_variance, rtol=1e-5)
 
 
@@ -68,6 +75,14 @@ def test_the_fused_kernel_is_what_runs():
     _, fused, x = _pair()
     graph = tf.function(lambda v: fused(v, training=True)).get_concrete_function(x).graph
     assert "FusedBatchNormV3" in {op.type for op in graph.get_operations()}
+
+
+def test_a_half_precision_input_goes_to_the_kernel_as_it_is():
+    # As tf_keras did: no cast to float32 and back around the kernel (on GPUs, cuDNN's half kernel).
+    _, fused, x = _pair(dtype="mixed_float16")
+    graph = tf.function(lambda v: fused(v, training=True)).get_concrete_function(tf.cast(x, tf.float16)).graph
+    (op,) = [op for op in graph.get_operations() if op.type == "FusedBatchNormV3"]
+    assert op.get_attr("T") == tf.float16 and op.get_attr("U") == tf.float32
 
 
 def test_with_fused_batch_norm_copies_the_model_and_its_weights():
