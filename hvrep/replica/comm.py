@@ -32,8 +32,12 @@ class CommConfig:
         value, or the one the user exported, holds.
       cycle_time_ms: Horovod's background-thread cycle time
         (``HOROVOD_CYCLE_TIME``). None (default): Horovod's stock value (or the
-        exported one). Horovod reads both once, when it starts: a later
+        exported one; 1 ms). Horovod reads both once, when it starts: a later
         Replicator in the same process that asks for other values is refused.
+        Its thread coordinates the ranks once a cycle: with long steps on CPU
+        cores the steps keep busy, 5 ms ran ResNet-50 1.37x as fast (20 ms:
+        1.48x), while 45 ms steps ran 4% slower (README, "Throughput against
+        plain Horovod").
       compression: "none", "fp16" or "bf16": the dtype floating-point
         buffers travel in. fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
