@@ -231,14 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     make = hvrep_contender if args.contender == "hvrep" else horovod_contender
     step, info = make(args)
     build_s = time.perf_counter() - t0
+    # Only now: importing mpi4py's MPI starts MPI, and the contender's own start (hvd.init(), or hvrep's
+    # Replicator with the MPI settings it gives Open MPI first) must be what starts it, as in a user's script.
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
 
     first_s = _timed_step(step, True)
     warmup_s = [_timed_step(step, False) for _ in range(args.warmup)]
@@ -268,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "intra_op_threads_api": tf.config.threading.get_intra_op_parallelism_threads(),
             "inter_op_threads_api": tf.config.threading.get_inter_op_parallelism_threads(),
             "variables": {k: v for k, v in sorted(os.environ.items())
-                          if k.startswith(("HOROVOD_", "TF_NUM_", "TF_USE_LEGACY_KERAS", "OMP_"))},
+                          if k.startswith(("HOROVOD_", "TF_NUM_", "TF_USE_LEGACY_KERAS", "OMP_",
+                                           "OMPI_MCA_mpi_yield_when_idle"))},
             "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()),
         },

@@ -287,6 +287,8 @@ def _environment(hvd: Any, comm: Any) -> dict[str, Any]:
             "fusion_threshold_bytes": os.environ.get(_env.HOROVOD_FUSION_THRESHOLD),
             "cycle_time_ms": os.environ.get(_env.HOROVOD_CYCLE_TIME),
         },
+        # Read by Open MPI once, when MPI starts (here mpi4py starts it, before any Replicator could set it).
+        "mpi_yield_when_idle": os.environ.get(_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE),
         "mpi_library": mpi_library,
     }
 

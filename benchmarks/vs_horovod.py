@@ -10,7 +10,9 @@ Contenders (``_vs_horovod_worker.py`` holds both steps):
   on legacy Keras: ``TF_USE_LEGACY_KERAS=1``, ``tf.keras.applications.ResNet50``,
   ``tf.keras.optimizers.SGD(0.01, momentum=0.9)``, ``hvd.DistributedGradientTape``
   in a ``tf.function``, ``hvd.broadcast_variables`` after the first step, and
-  Horovod's stock settings (no ``HOROVOD_*`` variable reaches it). It runs in
+  Horovod's stock settings (no ``HOROVOD_*`` variable reaches it, nor
+  ``OMPI_MCA_mpi_yield_when_idle``: Open MPI busy-polls, as it does for a
+  user who launches with ``mpirun`` and sets nothing). It runs in
   a separate interpreter that has tf_keras: a venv under hvrep's cache folder
   (``~/.cache/hvrep/legacy-keras-venv-tf<V>-tfkeras<V>``), created on first
   use, whose site-packages also lists this venv's (a ``.pth`` file), so
@@ -102,7 +104,9 @@ DEFAULT_IMAGE_SIZE = {"resnet50": 224, "small": 32}
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # Not passed to any launch: Horovod's knobs (the horovod contender runs at its
 # stock settings; hvrep's come from its CommConfig) and a parent launcher's rank variables.
-_STRIPPED_PREFIXES = ("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_")
+# Horovod's knobs, a launch's rank variables, and how Open MPI waits (hvrep's CommConfig sets it in its own
+# process; plain Horovod runs with Open MPI's stock busy polling, as its users launch it).
+_STRIPPED_PREFIXES = ("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "OMPI_MCA_mpi_yield_when_idle")
 LEGACY_KERAS = "TF_USE_LEGACY_KERAS"
 TF_NUM_INTRAOP_THREADS = "TF_NUM_INTRAOP_THREADS"
 TF_NUM_INTEROP_THREADS = "TF_NUM_INTEROP_THREADS"

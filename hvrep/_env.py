@@ -68,6 +68,7 @@ HOROVOD_GLOO_IFACE = "HOROVOD_GLOO_IFACE"
 OMPI_MCA_PML = "OMPI_MCA_pml"
 OMPI_MCA_BTL = "OMPI_MCA_btl"
 OMPI_MCA_BTL_TCP_IF_INCLUDE = "OMPI_MCA_btl_tcp_if_include"
+OMPI_MCA_MPI_YIELD_WHEN_IDLE = "OMPI_MCA_mpi_yield_when_idle"
 PRTE_MCA_OOB_TCP_IF_INCLUDE = "PRTE_MCA_oob_tcp_if_include"
 PRTE_MCA_PLM_SSH_AGENT = "PRTE_MCA_plm_ssh_agent"
 
@@ -163,18 +164,37 @@ def compiler_include_dirs() -> list[Path]:
     return dirs
 
 
-def set_horovod_knobs(fusion_threshold_bytes: int | None, cycle_time_ms: float | None) -> dict[str, str | None]:
-    """Hands CommConfig's Horovod settings to Horovod, which reads them at ``hvd.init()``.
+def set_horovod_knobs(fusion_threshold_bytes: int | None, cycle_time_ms: float | None,
+                      mpi_yield_when_idle: bool | None = None, mpi_started: bool = False
+                      ) -> dict[str, str | None]:
+    """Hands CommConfig's Horovod and MPI settings to the libraries, which read them when they start.
 
     None leaves a setting alone. A value the user exported wins: it is how
     Horovod users tune a job without touching code, and hvrep should not
-    silently override it. Returns the values Horovod will read (None: its default).
+    silently override it. ``mpi_started``: MPI already runs in this process,
+    so setting ``OMPI_MCA_mpi_yield_when_idle`` now would change nothing it
+    does (and mislead whoever reads the environment); it is left alone.
+    Returns the values the libraries will read (None: their default).
     """
     if fusion_threshold_bytes is not None:
         os.environ.setdefault(HOROVOD_FUSION_THRESHOLD, str(fusion_threshold_bytes))
     if cycle_time_ms is not None:
         os.environ.setdefault(HOROVOD_CYCLE_TIME, str(cycle_time_ms))
-    return {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME)}
+    if mpi_yield_when_idle is not None and not mpi_started:
+        os.environ.setdefault(OMPI_MCA_MPI_YIELD_WHEN_IDLE, "1" if mpi_yield_when_idle else "0")
+    return {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME, OMPI_MCA_MPI_YIELD_WHEN_IDLE)}
+
+
+def flag_value(text: str | None) -> bool | None:
+    """An Open MPI boolean MCA value as it reads them ("1", "true", "yes", ...), None if unset or unreadable."""
+    if text is None:
+        return None
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on", "enabled"):
+        return True
+    if t in ("0", "false", "no", "off", "disabled"):
+        return False
+    return None
 
 
 def tpu_name() -> str:

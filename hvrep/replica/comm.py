@@ -34,10 +34,27 @@ class CommConfig:
         (``HOROVOD_CYCLE_TIME``). None (default): Horovod's stock value (or the
         exported one; 1 ms). Horovod reads both once, when it starts: a later
         Replicator in the same process that asks for other values is refused.
-        Its thread coordinates the ranks once a cycle: with long steps on CPU
-        cores the steps keep busy, 5 ms ran ResNet-50 1.37x as fast (20 ms:
-        1.48x), while 45 ms steps ran 4% slower (README, "Throughput against
-        plain Horovod").
+        Its thread meets the other ranks in MPI once a cycle; before
+        ``mpi_yield_when_idle`` was the default, a longer cycle cut how long
+        Open MPI busy-polled: 5 ms ran ResNet-50 on busy CPU cores 1.37x as
+        fast (20 ms: 1.48x), while 45 ms steps ran 4% slower (README,
+        "Throughput against plain Horovod").
+      mpi_yield_when_idle: how a rank waits inside MPI (Open MPI's
+        ``mpi_yield_when_idle``, which hvrep sets as
+        ``OMPI_MCA_mpi_yield_when_idle`` before Horovod starts MPI). True
+        (default): a waiting rank hands its core back to the scheduler
+        between polls, so Horovod's background thread, which meets the other
+        ranks in MPI once a cycle, stops taking a core from the training
+        step while it waits for them. False: it busy-polls (Open MPI's
+        default unless a node is oversubscribed). None: hvrep sets nothing.
+        A value the user exported (or ``mpirun --mca mpi_yield_when_idle``)
+        wins. Open MPI reads it once, when MPI starts: a Replicator created
+        after MPI started (``from mpi4py import MPI``, the user's own
+        ``hvd.init()``) cannot set it and says so. Horovod's MPI controller
+        only (mpirun, horovodrun without --gloo, srun with Open MPI); Gloo
+        and NCCL do not read it. ResNet-50 on 2 ranks that keep both cores of
+        a machine busy ran 1.57x as fast as with Open MPI's busy polling
+        (README, "Throughput against plain Horovod").
       compression: "none", "fp16" or "bf16": the dtype floating-point
         buffers travel in. fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
@@ -66,6 +83,7 @@ class CommConfig:
     fusion_threshold_bytes: int | None = None
     horovod_fusion_threshold_bytes: int | None = None
     cycle_time_ms: float | None = None
+    mpi_yield_when_idle: bool | None = True
     compression: str = "none"
     num_groups: int = 0
     accumulation_steps: int = 1
@@ -84,6 +102,9 @@ class CommConfig:
             raise ConfigError(f"horovod_fusion_threshold_bytes must be None or an int >= 0, got {hft!r}.")
         if self.cycle_time_ms is not None and not self.cycle_time_ms > 0:
             raise ConfigError(f"cycle_time_ms must be None or > 0, got {self.cycle_time_ms!r}.")
+        y = self.mpi_yield_when_idle
+        if y is not None and not isinstance(y, bool):
+            raise ConfigError(f"mpi_yield_when_idle must be True, False or None (hvrep sets nothing), got {y!r}.")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
         if not isinstance(self.num_groups, int) or self.num_groups < 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -77,31 +78,66 @@ def _capture_variables() -> Iterator[list[tf.Variable]]:
         yield created
 
 
-# What Horovod read when this process started it (it reads these settings once, at init).
+_log = logging.getLogger("hvrep")
+
+# What Horovod (and MPI) read when this process started it (they read these settings once, at init), and the
+# mpi_yield_when_idle the first Replicator asked for (MPI may have started before it could be set).
 _started_with: dict[str, str | None] | None = None
+_yield_asked: bool | None = None
+
+_FIELDS = {_env.HOROVOD_FUSION_THRESHOLD: "horovod_fusion_threshold_bytes",
+           _env.HOROVOD_CYCLE_TIME: "cycle_time_ms",
+           _env.OMPI_MCA_MPI_YIELD_WHEN_IDLE: "mpi_yield_when_idle"}
+
+
+def _same(variable: str, wanted: Any, started: str | None) -> bool:
+    if variable == _env.OMPI_MCA_MPI_YIELD_WHEN_IDLE:
+        # What the first Replicator asked for counts too: when MPI had started before it, it was told once.
+        return wanted == _yield_asked or bool(_env.flag_value(started)) == wanted  # unset: no yield
+    return started is not None and float(started) == float(wanted)
+
+
+def _mpi_started(hvd: Any) -> bool:
+    """MPI already runs in this process: Horovod was started outside hvrep, or mpi4py's MPI was imported
+    (which starts it). Importing mpi4py here would start it too, so only what is already imported is asked."""
+    if hvd.is_initialized():
+        return True
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and bool(mpi.Is_initialized())
 
 
 def _start_horovod(hvd: Any, config: CommConfig) -> None:
-    """``hvd.init()`` with CommConfig's Horovod settings, or a refusal if Horovod already runs with others."""
-    global _started_with
+    """``hvd.init()`` with CommConfig's Horovod and MPI settings, or a refusal if Horovod already runs with others."""
+    global _started_with, _yield_asked
     wanted = {_env.HOROVOD_FUSION_THRESHOLD: config.horovod_fusion_threshold_bytes,
-              _env.HOROVOD_CYCLE_TIME: config.cycle_time_ms}
+              _env.HOROVOD_CYCLE_TIME: config.cycle_time_ms,
+              _env.OMPI_MCA_MPI_YIELD_WHEN_IDLE: config.mpi_yield_when_idle}
     if _started_with is not None and hvd.is_initialized():
-        field = {_env.HOROVOD_FUSION_THRESHOLD: "horovod_fusion_threshold_bytes",
-                 _env.HOROVOD_CYCLE_TIME: "cycle_time_ms"}
-        clashes = [f"{field[k]}={v!r} (Horovod runs with {k}={_started_with[k] or 'its default'})"
-                   for k, v in wanted.items()
-                   if v is not None and (_started_with[k] is None or float(_started_with[k]) != float(v))]
+        clashes = [f"{_FIELDS[k]}={v!r} (Horovod runs with {k}={_started_with[k] or 'its default'})"
+                   for k, v in wanted.items() if v is not None and not _same(k, v, _started_with[k])]
         if clashes:
             raise ConfigError(
                 f"this Replicator's CommConfig asks for {', '.join(clashes)}, but Horovod reads these once, when "
                 "the first Replicator started it, and would silently ignore them. Fix: give the first Replicator "
-                "of the process these values (or export the HOROVOD_* variables before it starts), and leave them "
+                "of the process these values (or export the variables before it starts), and leave them "
                 "None in later ones."
             )
         return
-    _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms)
+    mpi_started = _mpi_started(hvd)
+    _yield_asked = config.mpi_yield_when_idle
+    _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms,
+                                           config.mpi_yield_when_idle, mpi_started)
     hvd.init()
+    got = _env.flag_value(_started_with[_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE])
+    if (mpi_started and config.mpi_yield_when_idle and not got and int(hvd.size()) > 1 and int(hvd.rank()) == 0
+            and hvd.mpi_enabled()):
+        _log.warning(
+            "hvrep: MPI started before this Replicator, so CommConfig(mpi_yield_when_idle=True) could not "
+            "reach Open MPI: a rank waiting in MPI (Horovod's background thread, once a cycle) busy-polls a "
+            "core the training step could use (ResNet-50 on busy CPU cores ran 1.6x as fast yielding; README, "
+            "\"Throughput against plain Horovod\"). Fix: create the Replicator before `from mpi4py import "
+            "MPI` or hvd.init(), or launch with `mpirun --mca mpi_yield_when_idle 1` (or export "
+            "OMPI_MCA_mpi_yield_when_idle=1); pass mpi_yield_when_idle=None to silence this.")
 
 
 def _check_world_size(horovod_size: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -69,6 +71,8 @@ def test_fused_reduce_casts_to_the_wire_dtype_and_prescales():
     ("horovod_fusion_threshold_bytes", -5, "horovod_fusion_threshold_bytes must be None or an int >= 0, got -5"),
     ("compression", "int8", "compression must be one of ('none', 'fp16', 'bf16'), got 'int8'"),
     ("num_groups", -2, "num_groups must be an int >= 0, got -2"),
+    ("mpi_yield_when_idle", "yes", "mpi_yield_when_idle must be True, False or None (hvrep sets nothing), got 'yes'"),
+    ("mpi_yield_when_idle", 1, "mpi_yield_when_idle must be True, False or None (hvrep sets nothing), got 1"),
 ])
 def test_comm_config_rejects_bad_values_by_name(field, value, fragment):
     with pytest.raises(ConfigError) as e:
@@ -81,6 +85,42 @@ def test_comm_config_defaults_leave_horovods_own_settings_alone():
     assert cfg.fusion_threshold_bytes is None  # the backend's choice: horovod 25 MiB, in-graph 128 MiB
     # hvrep's bucket size does not set Horovod's process-wide fusion buffer or cycle time.
     assert cfg.horovod_fusion_threshold_bytes is None and cfg.cycle_time_ms is None
+    # Open MPI is asked to yield a waiting rank's core (tests/multirank/test_mpi_wait.py shows it does).
+    assert cfg.mpi_yield_when_idle is True
     with pytest.raises(AttributeError):
         cfg.compression = "fp16"  # frozen
 
+
+
+YIELD = "OMPI_MCA_mpi_yield_when_idle"
+
+
+@pytest.mark.parametrize(("asked", "exported", "mpi_started", "expected"), [
+    (True, None, False, "1"),
+    (False, None, False, "0"),
+    (None, None, False, None),  # hvrep sets nothing
+    (True, "0", False, "0"),  # the user's export wins
+    (False, "true", False, "true"),
+    (True, None, True, None),  # MPI already runs: setting it now would change nothing, so it is not set
+])
+def test_mpi_yield_when_idle_reaches_open_mpi_through_the_environment(monkeypatch, asked, exported, mpi_started,
+                                                                        expected):
+    from hvrep import _env
+
+    for name in (YIELD, "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
+        monkeypatch.delenv(name, raising=False)
+    if exported is not None:
+        monkeypatch.setenv(YIELD, exported)
+    started = _env.set_horovod_knobs(None, None, asked, mpi_started)
+    assert os.environ.get(YIELD) == expected
+    assert started == {"HOROVOD_FUSION_THRESHOLD": None, "HOROVOD_CYCLE_TIME": None, YIELD: expected}
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("1", True), ("true", True), (" Yes", True), ("0", False), ("false", False), ("no", False), (None, None),
+    ("maybe", None),
+])
+def test_open_mpi_flags_read_as_open_mpi_reads_them(text, value):
+    from hvrep import _env
+
+    assert _env.flag_value(text) is value
