@@ -224,7 +224,38 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (tracing) one")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-via", choices=("mpi", "horovod"), default="mpi",
+                   help="the barrier and gather around the timed loop: mpi4py (mpirun), or Horovod's own "
+                        "collectives (horovodrun --gloo: no MPI world)")
     return p.parse_args(argv)
+
+
+class _HorovodRanks:
+    """The barrier and gather ``main`` needs, over Horovod's own collectives (mpi4py's names): under
+    ``horovodrun --gloo`` there is no MPI world, and both contenders have Horovod running."""
+
+    def __init__(self) -> None:
+        import horovod.tensorflow as hvd
+
+        self.hvd = hvd
+        self.calls = 0
+
+    def Get_rank(self) -> int:
+        return int(self.hvd.rank())
+
+    def Get_size(self) -> int:
+        return int(self.hvd.size())
+
+    def Barrier(self) -> None:
+        import tensorflow as tf
+
+        self.calls += 1
+        self.hvd.allreduce(tf.constant(0.0), op=self.hvd.Sum, name=f"vs_horovod.barrier.{self.calls}").numpy()
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        self.calls += 1
+        everyone = self.hvd.allgather_object(obj, name=f"vs_horovod.gather.{self.calls}")
+        return list(everyone) if self.Get_rank() == root else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,11 +268,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     make = hvrep_contender if args.contender == "hvrep" else horovod_contender
     step, info = make(args)
     build_s = time.perf_counter() - t0
-    # Only now: importing mpi4py's MPI starts MPI, and the contender's own start (hvd.init(), or hvrep's
-    # Replicator with the MPI settings it gives Open MPI first) must be what starts it, as in a user's script.
-    from mpi4py import MPI
+    if args.ranks_via == "mpi":
+        # Only now: importing mpi4py's MPI starts MPI, and the contender's own start (hvd.init(), or hvrep's
+        # Replicator with the MPI settings it gives Open MPI first) must be what starts it, as in a user's script.
+        from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+        comm: Any = MPI.COMM_WORLD
+    else:
+        comm = _HorovodRanks()
 
     first_s = _timed_step(step, True)
     warmup_s = [_timed_step(step, False) for _ in range(args.warmup)]

@@ -35,8 +35,11 @@ Contenders (``_vs_horovod_worker.py`` holds both steps):
   leaves the ``keras.applications`` model as it is). Without ``--hvrep``:
   ``default=`` alone.
 
-Every launch is one contender on ``--np`` ranks (``mpirun --bind-to none``,
-oversubscribed, ``python -m mpi4py``), each rank with ``--threads-per-rank``
+Every launch is one contender on ``--np`` ranks (``--launcher mpirun``, the
+default: ``mpirun --bind-to none``, oversubscribed, ``python -m mpi4py``,
+Horovod's MPI controller; ``--launcher horovodrun``: ``horovodrun --gloo -H
+localhost:N``, Horovod's Gloo controller, no MPI, the barrier and gather
+around the timed loop over Horovod's own collectives), each rank with ``--threads-per-rank``
 TensorFlow intra- and inter-op threads, the same synthetic in-memory batch
 per rank for every contender. In a launch: one untimed first step (tracing;
 Horovod's broadcast), ``--warmup`` untimed steps, a barrier, ``--steps``
@@ -237,13 +240,18 @@ def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
     return [[names[(r + i) % n] for i in range(n)] for r in range(rounds)]
 
 
-def launch_env(contender: Contender, base: Mapping[str, str], threads: int) -> dict[str, str]:
-    """The environment of one launch: ``base`` less Horovod's knobs and rank variables, plus the thread caps."""
+def launch_env(contender: Contender, base: Mapping[str, str], threads: int, launcher: str = "mpirun"
+               ) -> dict[str, str]:
+    """The environment of one launch: ``base`` less Horovod's knobs and rank variables, plus the thread caps.
+
+    Under horovodrun the legacy-Keras switch is not in it: horovodrun imports Horovod's TensorFlow module
+    itself, in this venv, which has no tf_keras; ``launch_argv`` puts it on the ranks' command instead."""
     env = {k: v for k, v in base.items() if not k.startswith(_STRIPPED_PREFIXES) and k != LEGACY_KERAS}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env[TF_NUM_INTRAOP_THREADS] = env[TF_NUM_INTEROP_THREADS] = str(threads)
     if contender.kind == HOROVOD:
-        env[LEGACY_KERAS] = "1"
+        if launcher != "horovodrun":
+            env[LEGACY_KERAS] = "1"
         # mpi4py looks for libmpi beside the running venv's prefix; the legacy
         # venv has none, so point it at the one Horovod was built against.
         env["MPI4PY_LIBMPI"] = str(Path(sys.prefix) / "lib" / "libmpi.so.40")
@@ -252,13 +260,20 @@ def launch_env(contender: Contender, base: Mapping[str, str], threads: int) -> d
 
 def launch_argv(contender: Contender, python: str, args: argparse.Namespace, environ: Mapping[str, str]
                 ) -> list[str]:
-    """``mpirun -np N --bind-to none --map-by slot:OVERSUBSCRIBE ... python -m mpi4py worker ...`` (pure)."""
+    """``mpirun -np N --bind-to none --map-by slot:OVERSUBSCRIBE ... python -m mpi4py worker ...``, or with
+    ``--launcher horovodrun``, ``horovodrun -np N -H localhost:N --gloo python worker ... --ranks-via horovod``
+    (pure)."""
     command = [python, str(WORKER), "--contender", contender.kind, "--model", args.model, "--batch",
                str(args.batch), "--image-size", str(args.image_size), "--warmup", str(args.warmup), "--steps",
                str(args.steps), "--seed", str(args.seed)]
     if contender.comm_config is not None:
         command += ["--comm-config", json.dumps(contender.comm_config), "--batch-norm", contender.batch_norm,
                     "--replicator-batch-norm", contender.replicator_batch_norm]
+    if args.launcher == "horovodrun":
+        legacy = ("env", f"{LEGACY_KERAS}=1") if contender.kind == HOROVOD else ()
+        spec = launch.LaunchSpec(np=args.np, command=(*legacy, *command, "--ranks-via", "horovod"),
+                                 launcher="horovodrun", gloo=True)
+        return launch.build_argv(spec, environ)
     spec = launch.LaunchSpec(np=args.np, command=tuple(command), launcher="mpirun", overcommit=True,
                              allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
     return launch.build_argv(spec, environ)
@@ -278,6 +293,10 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+# The worker's result line, as mpirun passes it on, or behind horovodrun's "[0]<stdout>:" prefix.
+_RESULT_LINE = re.compile(r"^(\[\d+\]<stdout>:)?" + re.escape(RESULT_PREFIX))
+
+
 def run_launch(argv: list[str], env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
     """Runs one launch; returns its worker result, or the error with the output's tail."""
     argv = [launch.find_launcher(argv[0], env), *argv[1:]]
@@ -292,7 +311,8 @@ def run_launch(argv: list[str], env: Mapping[str, str], timeout_s: float) -> dic
         _stop(proc)
         out, err = proc.communicate()
     wall = time.perf_counter() - start
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+    results = [json.loads(line.split(RESULT_PREFIX, 1)[1]) for line in out.splitlines()
+               if _RESULT_LINE.match(line)]
     record: dict[str, Any] = {"argv": argv, "returncode": proc.returncode, "timed_out": timed_out, "wall_s": wall}
     if proc.returncode == 0 and len(results) == 1 and not timed_out:
         return {**record, "ok": True, "error": None, "result": results[0]}
@@ -371,7 +391,9 @@ def summarize(contenders: Sequence[Contender], launches: Sequence[dict[str, Any]
 
 def _print_summary(summaries: Sequence[dict[str, Any]], orders: Sequence[Sequence[str]], config: dict[str, Any],
                    out: Path, run_id: str) -> None:
-    print(f"\nvs_horovod {run_id}: {config['model']} {config['image_size']} px, {config['ranks']} ranks x batch "
+    launcher = "horovodrun --gloo" if config.get("launcher") == "horovodrun" else "mpirun"
+    print(f"\nvs_horovod {run_id}: {config['model']} {config['image_size']} px, {config['ranks']} ranks "
+          f"({launcher}) x batch "
           f"{config['per_rank_batch']}, {config['threads_per_rank']} TF thread(s) per rank; {config['rounds']} "
           f"round(s) of 1 first + {config['warmup']} warm-up + {config['steps']} timed steps per launch")
     for r, order in enumerate(orders):
@@ -420,6 +442,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=None, help="pixels (default: 224 for resnet50, 32 for small)")
     p.add_argument("--model", choices=MODELS, default="resnet50", help="small: a 3-conv CNN for smoke tests")
     p.add_argument("--np", type=int, default=2, help="ranks per launch (default 2)")
+    p.add_argument("--launcher", choices=("mpirun", "horovodrun"), default="mpirun",
+                   help="mpirun (Horovod's MPI controller; default) or horovodrun --gloo (its Gloo controller)")
     p.add_argument("--threads-per-rank", type=int, default=1, help="TF intra- and inter-op threads (default 1)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one launch may take (default 1800)")
     p.add_argument("--seed", type=int, default=0)
@@ -463,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "loadavg_start": list(os.getloadavg())}
     orders = round_orders([c.name for c in contenders], args.rounds)
     config = {
-        "model": args.model, "image_size": args.image_size, "ranks": args.np, "per_rank_batch": args.batch,
+        "model": args.model, "image_size": args.image_size, "ranks": args.np, "launcher": args.launcher,
+        "per_rank_batch": args.batch,
         "global_batch": args.np * args.batch, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
         "first_steps": 1, "threads_per_rank": args.threads_per_rank, "seed": args.seed, "timeout_s": args.timeout,
         "contenders": [dataclasses.asdict(c) for c in contenders], "orders": orders, "data": "synthetic, in memory",
@@ -476,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r, order in enumerate(orders):
         for pos, name in enumerate(order):
             c = by_name[name]
-            lenv = launch_env(c, base_env, args.threads_per_rank)
+            lenv = launch_env(c, base_env, args.threads_per_rank, args.launcher)
             source = source_state()
             outcome = run_launch(launch_argv(c, python[c.kind], args, lenv), lenv, args.timeout)
             result = outcome["result"]

@@ -70,13 +70,33 @@ def test_hvrep_contenders_parse_into_comm_configs():
 def test_launches_strip_horovod_knobs_and_cap_threads():
     bench = _load_benchmark()
     base = {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "5", "OMPI_COMM_WORLD_RANK": "0",
-            "TF_USE_LEGACY_KERAS": "1", "PATH": "/bin"}
+            "OMPI_MCA_mpi_yield_when_idle": "1", "TF_USE_LEGACY_KERAS": "1", "PATH": "/bin"}
     horovod = bench.launch_env(bench.Contender("horovod", "horovod"), base, 1)
     mine = bench.launch_env(bench.Contender("hvrep:default", "hvrep", {}), base, 1)
     for env in (horovod, mine):
         assert not any(k.startswith(("HOROVOD_", "OMPI_")) for k in env)
         assert env["TF_NUM_INTRAOP_THREADS"] == env["TF_NUM_INTEROP_THREADS"] == "1"
     assert horovod["TF_USE_LEGACY_KERAS"] == "1" and "TF_USE_LEGACY_KERAS" not in mine
+
+
+def test_horovodrun_launches_use_gloo_and_put_legacy_keras_on_the_ranks_command():
+    # horovodrun imports Horovod's TensorFlow module in this venv (no tf_keras): the switch must not reach it.
+    bench = _load_benchmark()
+    args = bench._parse_args(["--launcher", "horovodrun", "--model", "small"])
+    horovod = bench.Contender("horovod", "horovod")
+    env = bench.launch_env(horovod, {"PATH": "/bin", "TF_USE_LEGACY_KERAS": "1"}, 1, "horovodrun")
+    assert "TF_USE_LEGACY_KERAS" not in env
+    argv = bench.launch_argv(horovod, "/legacy/python", args, env)
+    assert argv[:6] == ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"], argv
+    assert argv[6:9] == ["env", "TF_USE_LEGACY_KERAS=1", "/legacy/python"], argv
+    assert argv[-2:] == ["--ranks-via", "horovod"], argv
+    mine = bench.launch_argv(bench.Contender("hvrep:default", "hvrep", {}), "/venv/python", args, env)
+    assert mine[6] == "/venv/python" and "TF_USE_LEGACY_KERAS=1" not in mine
+    mpirun = bench.launch_argv(horovod, "/legacy/python", bench._parse_args(["--model", "small"]), env)
+    assert mpirun[0] == "mpirun" and "--ranks-via" not in mpirun, mpirun
+    # horovodrun prefixes every line of a rank's output
+    assert bench._RESULT_LINE.match("[0]<stdout>:VS_HOROVOD_RESULT {}")
+    assert bench._RESULT_LINE.match("VS_HOROVOD_RESULT {}") and not bench._RESULT_LINE.match("x VS_HOROVOD_RESULT")
 
 
 @pytest.mark.multirank
@@ -109,6 +129,9 @@ def test_quick_run_launches_both_contenders_alternately(tmp_path):
     assert "legacy-keras-venv" in horovod["worker_env"]["python"]
     assert mine["framework"]["keras"].startswith("keras 3") and mine["framework"]["backend"] == "horovod"
     assert mine["comm_config"] == dataclasses.asdict(hvrep.CommConfig())
+    # hvrep asked Open MPI to yield a waiting rank's core; plain Horovod runs with Open MPI's stock busy polling.
+    assert mine["worker_env"]["variables"]["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert "OMPI_MCA_mpi_yield_when_idle" not in horovod["worker_env"]["variables"]
     # The keras.applications-style model as built; inside run its 3 BatchNormalization layers train with the
     # fused kernel (Replicator's default), on the horovod backend.
     assert (mine["batch_norm"], mine["replicator_batch_norm"]) == ("keras", "fused")
@@ -132,3 +155,24 @@ def test_quick_run_launches_both_contenders_alternately(tmp_path):
         assert s["rounds_ok"] == 1 and s["images_per_sec"]["median"] > 0 and s["errors"] == []
         assert s["best_step_images_per_sec"] > 0  # not >= the loop rate: see the launch check above
     assert "hvrep:default" in res.stdout and "vs horovod" in res.stdout
+
+
+@pytest.mark.multirank
+def test_quick_run_under_horovodrun_gloo(tmp_path):
+    out = tmp_path / "vs.jsonl"
+    cmd = [sys.executable, str(SCRIPT), "--model", "small", "--rounds", "1", "--warmup", "1", "--steps", "2",
+           "--launcher", "horovodrun", "--timeout", "300", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    launches = [r for r in map(json.loads, out.read_text().splitlines()) if r["record"] == "launch"]
+    assert [r["contender"] for r in launches] == ["horovod", "hvrep:default"]
+    for r in launches:
+        assert r["ok"] and r["config"]["launcher"] == "horovodrun" and "--gloo" in r["argv"], r["error"]
+        result = r["result"]
+        assert result["num_ranks"] == 2 and len(result["per_rank"]) == 2
+        assert sorted(p["rank"] for p in result["per_rank"]) == [0, 1]
+    horovod, mine = (r["result"] for r in launches)
+    assert horovod["framework"]["keras"].startswith("tf_keras ")
+    assert horovod["framework"]["horovod_controller"] == "gloo"
+    assert mine["framework"]["backend"] == "horovod"
+    assert "(horovodrun --gloo)" in res.stdout
