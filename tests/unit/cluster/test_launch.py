@@ -152,7 +152,8 @@ def test_horovodrun_defaults_to_localhost_slots_and_gloo():
 def test_horovodrun_with_hosts_and_mpi():
     hosts = ("server1:4", "server2:4")
     assert horovodrun_argv(spec(np=8, hosts=hosts, gloo=False)) == [
-        "horovodrun", "-np", "8", "-H", "server1:4,server2:4", "--mpi", *TRAIN]
+        "horovodrun", "-np", "8", "-H", "server1:4,server2:4", "--mpi",
+        "--binding-args=--bind-to none --map-by slot", *TRAIN]
 
 
 def test_horovodrun_mpi_binding_goes_through_binding_args():
@@ -303,5 +304,17 @@ def test_real_horovodrun_launch_starts_two_ranks():
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     # horovodrun prefixes each line with "[rank]<stdout>:".
+    ranks = sorted(line.rsplit("rank ", 1)[1] for line in res.stdout.splitlines() if "rank " in line)
+    assert ranks == ["0", "1"], res.stdout + res.stderr
+
+
+@pytest.mark.multirank
+def test_real_horovodrun_mpi_launch_starts_two_ranks_on_open_mpi_5():
+    # Without --binding-args, Horovod 0.28.1's horovodrun hands Open MPI 5's mpirun `-bind-to none`, which it
+    # rejects ("Executable: none"): this failed before hvrep passed the double-dash form.
+    cmd = [str(BIN / "hvrep"), "launch", "--np", "2", "--launcher", "horovodrun", "--no-gloo", "--",
+           "python", "-c", "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'])"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
     ranks = sorted(line.rsplit("rank ", 1)[1] for line in res.stdout.splitlines() if "rank " in line)
     assert ranks == ["0", "1"], res.stdout + res.stderr
