@@ -4,8 +4,9 @@ Horovod's background thread meets the other ranks in MPI once a cycle. Open MPI 
 waits, taking a core from the training step on a machine whose cores the steps keep busy; hvrep asks
 it to yield instead (README, "Throughput against plain Horovod"). What Open MPI did is read from the
 waiting thread's own clock (mpi_wait_probe.py): a busy poll spends its wait in user space, a yielding
-one mostly in sched_yield, the kernel. Three launches: the default, None (Open MPI's own busy poll),
-and a script that started MPI before hvrep could set it (busy poll, and a warning with the fix).
+one mostly in sched_yield, the kernel. Four launches: the default, None (Open MPI's own busy poll),
+and a script that started MPI before hvrep could set it (busy poll, and a warning with the fix); a
+user's `mpirun --mca mpi_yield_when_idle 0` wins over the default.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from tests.multirank import harness
 pytestmark = pytest.mark.multirank
 
 
-def _probe(mode: str, tmp_path) -> tuple[dict, str]:
+def _probe(mode: str, tmp_path, mpirun_args: tuple[str, ...] = ()) -> tuple[dict, str]:
     env = {k: v for k, v in harness._env().items() if not k.startswith(("OMPI_", "PMI_", "HOROVOD_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [str(harness.BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-           "mpi4py", str(harness.HERE / "mpi_wait_probe.py"), mode]
-    log = tmp_path / f"{mode}.log"
+    cmd = [str(harness.BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", *mpirun_args,
+           sys.executable, "-m", "mpi4py", str(harness.HERE / "mpi_wait_probe.py"), mode]
+    log = tmp_path / f"{mode}{len(mpirun_args)}.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=harness.ROOT,
                                 start_new_session=True)
@@ -58,6 +59,12 @@ def test_by_default_a_rank_waiting_in_mpi_yields_its_core(tmp_path):
     found, _ = _probe("default", tmp_path)
     assert found["OMPI_MCA_mpi_yield_when_idle"] == "1", found
     assert _share_in_kernel(found) >= 0.3, f"rank 0 busy-polled while it waited: {found}"
+
+
+def test_the_users_mpirun_mca_wins_over_the_default(tmp_path):
+    found, _ = _probe("default", tmp_path, ("--mca", "mpi_yield_when_idle", "0"))
+    assert found["OMPI_MCA_mpi_yield_when_idle"] == "0", found
+    assert _share_in_kernel(found) <= 0.1, f"rank 0 did not busy-poll: {found}"
 
 
 def test_none_leaves_open_mpi_busy_polling(tmp_path):
