@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +42,30 @@ def _env() -> dict[str, str]:
         env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
         env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     return env
+
+
+def clean_env() -> dict[str, str]:
+    """``_env()`` less a parent launcher's (or the user's) Open MPI, PMI, Slurm and Horovod variables, for a
+    launch of its own: each launcher then sets what its ranks read."""
+    env = {k: v for k, v in _env().items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float) -> int | None:
+    """Runs ``cmd`` (in ``clean_env()``, from the checkout) in a process group of its own, its output to
+    ``log``; returns its exit code, or None if it ran past ``timeout``. The group is killed either way, so no
+    rank outlives the test."""
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def command(launcher: str, out: Path, modules: list[Path], np: int = NP, only: str = "") -> list[str]:

@@ -51,12 +51,6 @@ def _command(launcher: str, args: list[str]) -> list[str]:
             "train", *args]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in harness._env().items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
-
-
 def _events(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.is_file():
@@ -79,8 +73,8 @@ def _rank_of(p: psutil.Process) -> int | None:
 def _launched(launcher: str, args: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """The launcher in a process group of its own; on the way out every process in it is continued and killed."""
     with log.open("w") as sink:
-        proc = subprocess.Popen(_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT, env=_env(),
-                                cwd=harness.ROOT, start_new_session=True)
+        proc = subprocess.Popen(_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT,
+                                env=harness.clean_env(), cwd=harness.ROOT, start_new_session=True)
         try:
             yield proc
         finally:
@@ -166,22 +160,15 @@ def _uneven(launcher: str, tmp: Path, demo_data: Path) -> str:
     cmd = ([str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
             script] if launcher == "mpirun" else
            [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, script])
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env(), cwd=harness.ROOT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+    returncode = harness.run_logged(cmd, log, timeout=150)
+    if returncode is None:
+        pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
     text = log.read_text()
-    assert proc.returncode != 0, text[-4000:]
+    assert returncode != 0, text[-4000:]
     assert "the ranks are in different collectives at call #7 (rank(s) 0 in reduce(mean) at uneven_input.py:33; " \
         "rank(s) 1 in run(step_fn))" in text, text[-4000:]
     assert "input_fn yields different numbers of batches" in text
-    return f"{launcher}: uneven input -> exit code {proc.returncode}"
+    return f"{launcher}: uneven input -> exit code {returncode}"
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,7 @@ user's `mpirun --mca mpi_yield_when_idle 0` wins over the default.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -26,23 +22,14 @@ pytestmark = pytest.mark.multirank
 
 
 def _probe(mode: str, tmp_path, mpirun_args: tuple[str, ...] = ()) -> tuple[dict, str]:
-    env = {k: v for k, v in harness._env().items() if not k.startswith(("OMPI_", "PMI_", "HOROVOD_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [str(harness.BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", *mpirun_args,
            sys.executable, "-m", "mpi4py", str(harness.HERE / "mpi_wait_probe.py"), mode]
     log = tmp_path / f"{mode}{len(mpirun_args)}.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=harness.ROOT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the probe ({mode}) hung past 120 s:\n{log.read_text()[-4000:]}")
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+    returncode = harness.run_logged(cmd, log, timeout=120)
+    if returncode is None:
+        pytest.fail(f"the probe ({mode}) hung past 120 s:\n{log.read_text()[-4000:]}")
     text = log.read_text()
-    assert proc.returncode == 0, text[-4000:]
+    assert returncode == 0, text[-4000:]
     lines = [line for line in text.splitlines() if line.startswith("MPI_WAIT ")]
     assert len(lines) == 1, text[-4000:]
     found = json.loads(lines[0].removeprefix("MPI_WAIT "))
