@@ -105,10 +105,9 @@ HOROVOD_KERAS3 = "horovod-keras3"
 HVREP_PREFIX = "hvrep:"
 DEFAULT_IMAGE_SIZE = {"resnet50": 224, "small": 32}
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
-# Not passed to any launch: Horovod's knobs (the horovod contender runs at its
-# stock settings; hvrep's come from its CommConfig) and a parent launcher's rank variables.
-# Horovod's knobs, a launch's rank variables, and how Open MPI waits (hvrep's CommConfig sets it in its own
-# process; plain Horovod runs with Open MPI's stock busy polling, as its users launch it).
+# Not passed to any launch: Horovod's knobs (the horovod contender runs at its stock settings; hvrep's come
+# from its CommConfig), a parent launcher's rank variables, and how Open MPI waits (hvrep's CommConfig sets it
+# in its own process; plain Horovod runs with Open MPI's stock busy polling, as its users launch it).
 _STRIPPED_PREFIXES = ("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "OMPI_MCA_mpi_yield_when_idle")
 LEGACY_KERAS = "TF_USE_LEGACY_KERAS"
 TF_NUM_INTRAOP_THREADS = "TF_NUM_INTRAOP_THREADS"
@@ -273,9 +272,9 @@ def launch_argv(contender: Contender, python: str, args: argparse.Namespace, env
         legacy = ("env", f"{LEGACY_KERAS}=1") if contender.kind == HOROVOD else ()
         spec = launch.LaunchSpec(np=args.np, command=(*legacy, *command, "--ranks-via", "horovod"),
                                  launcher="horovodrun", gloo=True)
-        return launch.build_argv(spec, environ)
-    spec = launch.LaunchSpec(np=args.np, command=tuple(command), launcher="mpirun", overcommit=True,
-                             allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+    else:
+        spec = launch.LaunchSpec(np=args.np, command=tuple(command), launcher="mpirun", overcommit=True,
+                                 allow_run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
     return launch.build_argv(spec, environ)
 
 
