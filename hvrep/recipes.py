@@ -46,10 +46,11 @@ class Recipe:
     Attributes:
       optimizer: a Keras optimizer (``MomentumSGD`` or ``LARS``) driven by ``schedule``;
         create the recipe inside ``Replicator.scope()``.
-      schedule: the learning-rate schedule, in optimizer steps.
+      schedule: the learning-rate schedule, defined in epochs (``hvrep.schedules.EpochSchedule``: called
+        with the optimizer's step; a training loop may anchor it to the samples trained).
       epochs: epochs to train.
       warmup_epochs: epochs of linear warmup.
-      steps_per_epoch: ceil(train_images / global_batch).
+      steps_per_epoch: ``hvrep.schedules.steps_per_epoch``: full global batches, as the data plan trains.
       peak_lr: the LR at the end of warmup.
       label_smoothing: for the cross-entropy loss.
       weight_decay: coupled L2 decay in the optimizer.
@@ -60,7 +61,7 @@ class Recipe:
     """
 
     optimizer: Any
-    schedule: schedules._Warmup
+    schedule: schedules.EpochSchedule
     epochs: int
     warmup_epochs: float
     steps_per_epoch: int
@@ -113,7 +114,8 @@ def imagenet_resnet50(
         raise ConfigError(f"epochs must be a positive int, got {epochs!r}.")
     if not isinstance(train_images, int) or train_images < 1:
         raise ConfigError(f"train_images must be a positive int, got {train_images!r}.")
-    steps_per_epoch = math.ceil(train_images / global_batch)
+    steps_per_epoch = schedules.steps_per_epoch(train_images, global_batch)
+    in_epochs = {"samples_per_epoch": train_images, "samples_per_step": global_batch}
     exclude = None if exclude_bn_and_bias_from_weight_decay else []  # None: BN and biases (DEFAULT_EXCLUDE)
 
     if global_batch <= GOYAL_MAX_BATCH:
@@ -121,11 +123,10 @@ def imagenet_resnet50(
         n_epochs = epochs or 90
         warmup = 5.0 if global_batch > 256 else 0.0
         smoothing = 0.0 if label_smoothing is None else label_smoothing
-        boundaries = [round(e * n_epochs / 90 * steps_per_epoch) for e in (30, 60, 80)]
         _check_warmup(warmup, n_epochs)
-        schedule: schedules._Warmup = schedules.StepDecayWithWarmup(
-            peak, n_epochs * steps_per_epoch, boundaries, factor=0.1,
-            warmup_steps=round(warmup * steps_per_epoch), warmup_start_lr=min(0.1, peak))
+        schedule = schedules.epoch_schedule(
+            "step", peak_lr=peak, epochs=n_epochs, boundaries=[e * n_epochs / 90 for e in (30, 60, 80)], factor=0.1,
+            warmup_epochs=warmup, warmup_start_lr=min(0.1, peak), **in_epochs)
         optimizer = MomentumSGD(schedule, momentum=0.9, weight_decay=1e-4, exclude_from_weight_decay=exclude)
         return Recipe(optimizer, schedule, n_epochs, warmup, steps_per_epoch, peak, smoothing, 1e-4,
                       exclude_bn_and_bias_from_weight_decay,
@@ -139,9 +140,8 @@ def imagenet_resnet50(
     n_epochs = epochs or round(rec_epochs)
     _check_warmup(warmup, n_epochs)
     smoothing = 0.1 if label_smoothing is None else label_smoothing
-    schedule = schedules.PolynomialDecayWithWarmup(
-        peak, n_epochs * steps_per_epoch, warmup_steps=round(warmup * steps_per_epoch), warmup_start_lr=0.0,
-        end_lr=1e-4, power=2.0)
+    schedule = schedules.epoch_schedule("polynomial", peak_lr=peak, epochs=n_epochs, warmup_epochs=warmup,
+                                        warmup_start_lr=0.0, end_lr=1e-4, power=2.0, **in_epochs)
     optimizer = LARS(schedule, momentum=momentum, weight_decay=wd, eta=0.001, epsilon=0.0,
                      exclude_from_weight_decay=exclude, exclude_from_layer_adaptation=exclude)
     return Recipe(optimizer, schedule, n_epochs, warmup, steps_per_epoch, peak, smoothing, wd,

@@ -11,6 +11,15 @@ All arguments are in optimizer steps. Each schedule warms up linearly from
 with s clamped to T (``total_steps``) after the end. Goyal et al. (2017)
 warm up from the base (unscaled) LR to the linearly scaled one; MLPerf warms
 up from 0: set ``warmup_start_lr`` accordingly.
+
+Schedules in epochs: :func:`epoch_schedule` defines warmup and decay in epochs
+and returns an :class:`EpochSchedule`, whose position is the samples trained,
+not the optimizer's step count. A run resumed with another global batch
+(after a requeue onto fewer GPUs, say) then goes on from the epoch it had
+reached: a step count means other samples at another batch, and a schedule
+evaluated at the restored step would jump forward or back. ``hvrep train`` and
+``hvrep.recipes`` use it; :func:`steps_per_epoch` is the one rule both use for
+an epoch's steps.
 """
 
 from __future__ import annotations
@@ -26,6 +35,25 @@ import tensorflow as tf
 from hvrep.errors import ConfigError
 
 DECAYS = ("polynomial", "cosine", "step", "constant")
+
+
+def steps_per_epoch(train_images: int, global_batch: int) -> int:
+    """Optimizer steps in one epoch: full global batches only (``train_images // global_batch``).
+
+    The rule of hvrep's data plan (an epoch drops its last, partial batch), shared by the training loops and
+    the recipes.
+
+    Raises:
+      hvrep.errors.ConfigError: non-positive arguments, or fewer images than one global batch.
+    """
+    if not isinstance(train_images, int) or train_images < 1:
+        raise ConfigError(f"train_images must be a positive int, got {train_images!r}.")
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch must be a positive int, got {global_batch!r}.")
+    if train_images < global_batch:
+        raise ConfigError(f"{train_images} training images cannot fill one global batch of {global_batch}. Fix: a "
+                          f"global batch of at most {train_images}.")
+    return train_images // global_batch
 
 
 def linear_scaling(base_lr: float, global_batch: int, base_batch: int = 256) -> float:
@@ -174,3 +202,117 @@ def warmup_schedule(decay: str, **kwargs: Any) -> _Warmup:
         return classes[decay](**kwargs)
     except TypeError as e:
         raise ConfigError(f"{classes[decay].__name__}: {e}") from None
+
+
+@keras.saving.register_keras_serializable(package="hvrep")
+class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule over samples trained, called, as Keras does, with the optimizer's step count.
+
+    The step is turned into samples through an anchor that a training loop sets where it knows what was
+    trained (an epoch's start, a resume)::
+
+        samples(step) = anchor_samples + (step - anchor_step) * samples_per_step
+        lr(step) = schedule(samples(step))
+
+    A new schedule is anchored at step 0, sample 0, so without :meth:`anchor` it is an ordinary step
+    schedule. Build one with :func:`epoch_schedule`.
+
+    Args:
+      schedule: a warmup schedule whose "steps" are samples (warmup and decay at sample counts).
+      samples_per_epoch: samples in one epoch (the training set's size).
+      samples_per_step: samples one optimizer step trains (the global batch, times the accumulation steps).
+
+    The anchor lives in two variables (created where the schedule is, e.g. inside ``Replicator.scope()``),
+    not in checkpoints: the loop sets it from what it restored.
+    """
+
+    def __init__(self, schedule: _Warmup, samples_per_epoch: int, samples_per_step: int) -> None:
+        if not isinstance(schedule, _Warmup):
+            raise ConfigError(f"schedule must be an hvrep.schedules warmup schedule over samples, got "
+                              f"{type(schedule).__name__}. Fix: build it with hvrep.schedules.epoch_schedule.")
+        for name, value in (("samples_per_epoch", samples_per_epoch), ("samples_per_step", samples_per_step)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}.")
+        self.schedule = schedule
+        self.samples_per_epoch = samples_per_epoch
+        self.samples_per_step = samples_per_step
+        # float64: sample counts of long ImageNet runs (~1e8) stay exact; int64 for the step.
+        self._anchor_samples = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="hvrep_lr_anchor_samples")
+        self._anchor_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_lr_anchor_step")
+        self._per_step = tf.Variable(float(samples_per_step), dtype=tf.float64, trainable=False,
+                                     name="hvrep_lr_samples_per_step")
+
+    def anchor(self, step: int, samples: float, samples_per_step: int | None = None) -> None:
+        """Says that optimizer step ``step`` is where ``samples`` samples have been trained, and how many each
+        following step trains (None: unchanged). Call outside the compiled step (e.g. at an epoch's start)."""
+        if samples_per_step is not None:
+            if not isinstance(samples_per_step, int) or samples_per_step < 1:
+                raise ConfigError(f"samples_per_step must be a positive int, got {samples_per_step!r}.")
+            self.samples_per_step = samples_per_step
+            self._per_step.assign(float(samples_per_step))
+        self._anchor_samples.assign(float(samples))
+        self._anchor_step.assign(int(step))
+
+    def samples_at(self, step: Any) -> tf.Tensor:
+        """Samples trained at optimizer step ``step`` (float64)."""
+        delta = tf.cast(tf.cast(step, tf.int64) - self._anchor_step, tf.float64)
+        return self._anchor_samples + delta * self._per_step
+
+    def epochs_at(self, step: Any) -> tf.Tensor:
+        """Epochs trained at optimizer step ``step`` (float64)."""
+        return self.samples_at(step) / float(self.samples_per_epoch)
+
+    def at_epoch(self, epochs: float) -> float:
+        """The learning rate after ``epochs`` epochs of training, whatever the batch."""
+        return float(self.schedule(tf.constant(epochs * self.samples_per_epoch, tf.float64)))
+
+    def __call__(self, step: Any) -> tf.Tensor:
+        return self.schedule(self.samples_at(step))
+
+    def get_config(self) -> dict[str, Any]:
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule),
+                "samples_per_epoch": self.samples_per_epoch, "samples_per_step": self.samples_per_step}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> EpochSchedule:
+        config = dict(config)
+        config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
+        return cls(**config)
+
+
+def epoch_schedule(decay: str, *, peak_lr: float, epochs: float, samples_per_epoch: int, samples_per_step: int,
+                   warmup_epochs: float = 0.0, warmup_start_lr: float = 0.0,
+                   boundaries: Sequence[float] | None = None, **kwargs: Any) -> EpochSchedule:
+    """A warmup schedule defined in epochs (see the module docstring), as an :class:`EpochSchedule`.
+
+    Args:
+      decay: "polynomial", "cosine", "step" or "constant".
+      peak_lr: the LR at the end of warmup.
+      epochs: epochs of training (the decay ends there).
+      samples_per_epoch: the training set's size.
+      samples_per_step: the global batch (times the accumulation steps).
+      warmup_epochs: epochs of linear warmup from ``warmup_start_lr``.
+      boundaries: for "step": the epochs after which the LR drops by ``factor``.
+      **kwargs: the decay's other arguments (``end_lr``, ``power``, ``factor``).
+
+    Raises:
+      hvrep.errors.ConfigError: bad arguments, naming them in epochs.
+    """
+    if not epochs > 0:
+        raise ConfigError(f"epochs must be > 0, got {epochs!r}.")
+    if not 0 <= warmup_epochs <= epochs:
+        raise ConfigError(f"warmup_epochs={warmup_epochs:g} must be in [0, epochs={epochs:g}]: the warmup is longer "
+                          "than training. Fix: a shorter warmup or more epochs.")
+    if not isinstance(samples_per_epoch, int) or samples_per_epoch < 1:
+        raise ConfigError(f"samples_per_epoch must be a positive int, got {samples_per_epoch!r}.")
+    n = samples_per_epoch
+    arguments: dict[str, Any] = {"peak_lr": peak_lr, "total_steps": max(1, round(epochs * n)),
+                                 "warmup_steps": round(warmup_epochs * n), "warmup_start_lr": warmup_start_lr,
+                                 **kwargs}
+    if decay == "step":
+        if boundaries is None:
+            raise ConfigError("decay='step' needs boundaries (epochs). Fix: e.g. boundaries=[30, 60, 80].")
+        arguments["boundaries"] = [round(b * n) for b in boundaries]
+    elif boundaries is not None:
+        raise ConfigError(f"boundaries are for decay='step', not {decay!r}. Fix: leave them out.")
+    return EpochSchedule(warmup_schedule(decay, **arguments), samples_per_epoch, samples_per_step)

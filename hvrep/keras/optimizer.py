@@ -125,6 +125,14 @@ class DistributedOptimizer(_Optimizer):
     def variables(self) -> list[Any]:
         return self._variables + self.inner_optimizer.variables
 
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
+        # A checkpoint holds the wrapped optimizer only. The wrapper's own step and learning-rate variables are
+        # placeholders (everything reads the inner ones), and a model compiled with the wrapper tracks it as
+        # `model.optimizer`: with them, such a model could not restore a checkpoint written without the wrapper
+        # (hvrep train's custom loop, whose checkpoints its fit loop resumes).
+        children = super()._trackable_children(save_type, **kwargs)
+        return {"inner_optimizer": children["inner_optimizer"]} if "inner_optimizer" in children else children
+
     def _reduce(self, grads: list[Any]) -> list[Any]:
         """The gradients averaged over the replicas (see the module docstring for the in-graph sum)."""
         repl = self._replicator

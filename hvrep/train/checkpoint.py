@@ -229,7 +229,13 @@ class CheckpointManager:
             self._delete(folder)
         return final
 
-    def restore(self, path: str | os.PathLike | None = None, without: tuple[str, ...] = ()) -> Path | None:
+    @property
+    def trackables(self) -> dict[str, Any]:
+        """What is saved, by name (a copy of the constructor's keywords)."""
+        return dict(self._trackables)
+
+    def restore(self, path: str | os.PathLike | None = None, without: tuple[str, ...] = (),
+                replace: Mapping[str, Any] | None = None) -> Path | None:
         """Restores a checkpoint into the trackables given at construction.
 
         Every rank may call this; all read the same folder. See the class
@@ -241,6 +247,9 @@ class CheckpointManager:
           path: a checkpoint folder; None: ``latest()``.
           without: names of trackables to leave as they are (e.g. state the
             saving run did not have).
+          replace: trackables to read in place of the constructor's, by name, for
+            this restore only (e.g. an object that holds one under the nesting
+            an older layout saved it in).
 
         Returns:
           The folder restored, or None when ``path`` is None and there is no
@@ -268,11 +277,14 @@ class CheckpointManager:
                     f"Cannot restore {folder}: it {why}. Available in {self.directory}: {available}. "
                     "Fix: pass one of those, or path=None for the newest."
                 )
-        unknown = sorted(set(without) - set(self._names))
-        if unknown:
-            raise ConfigError(f"without names {unknown}, which are not among the trackables {list(self._names)}.")
-        checkpoint = tf.train.Checkpoint(**{k: v for k, v in self._trackables.items() if k not in without}) \
-            if without else self._checkpoint
+        replace = dict(replace or {})
+        for argument, names in (("without", without), ("replace", replace)):
+            unknown = sorted(set(names) - set(self._names))
+            if unknown:
+                raise ConfigError(f"{argument} names {unknown}, which are not among the trackables "
+                                  f"{list(self._names)}.")
+        checkpoint = tf.train.Checkpoint(**{k: replace.get(k, v) for k, v in self._trackables.items()
+                                            if k not in without}) if without or replace else self._checkpoint
         names = [k for k in self._names if k not in without]
         try:
             status = checkpoint.read(str(folder / _PREFIX))

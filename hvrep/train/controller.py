@@ -43,8 +43,9 @@ from hvrep.replica import watchdog
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
 from hvrep.train.metrics import MetricsWriter
+from hvrep.train.position import SchedulePosition, announce, trained_samples
 from hvrep.train.preemption import stop_on_signals
-from hvrep.train.resume import ResumePoint
+from hvrep.train.resume import ResumePoint, checkpoint_record
 from hvrep.train.steps import Runner
 
 
@@ -94,6 +95,9 @@ class Controller:
       epochs, steps_per_epoch: the run's length.
       val_images: images in the validation split (for the accuracy's denominator).
       resumed: the checkpoint restored, or None.
+      schedule: the learning-rate schedule's position, anchored at every epoch's start to the samples trained
+        (None: the optimizer's schedule runs by step count).
+      schedule_rule: how the schedule's peak was chosen, for the resume's log line.
       train_dataset: builds one replica's training batches of an epoch, with
         ``hvrep.data.make_dataset``'s signature (the default);
         ``benchmarks/loop_overhead.py`` passes a synthetic one to time the loop
@@ -102,8 +106,8 @@ class Controller:
 
     def __init__(self, cfg: RunConfig, runner: Runner, state: LoopState, checkpoints: CheckpointManager,
                  metrics: MetricsWriter, *, epochs: int, steps_per_epoch: int, val_images: int,
-                 resumed: ResumePoint | None = None,
-                 train_dataset: Callable[..., tf.data.Dataset] = make_dataset) -> None:
+                 resumed: ResumePoint | None = None, schedule: SchedulePosition | None = None,
+                 schedule_rule: str = "", train_dataset: Callable[..., tf.data.Dataset] = make_dataset) -> None:
         self.cfg = cfg
         self.train_dataset = train_dataset
         self.runner = runner
@@ -114,16 +118,33 @@ class Controller:
         self.steps_per_epoch = steps_per_epoch
         self.val_images = val_images
         self.resumed = resumed
+        self.schedule = schedule
+        self.schedule_rule = schedule_rule
+        self._announced = False
 
     def _save(self, epoch: int, segments: list[Segment], train_examples: int) -> None:
         """Saves on every rank's call (the chief writes), with where the epoch's data stands."""
         watchdog.note_step(f"checkpoint at step {int(self.state.step.numpy())}")
         self.runner.prepare_checkpoint()
         n, gb = self.runner.repl.num_replicas, self.cfg.train.global_batch
-        self.checkpoints.save(int(self.state.step.numpy()), metadata={
-            "epoch": epoch, "position": sum(s.steps for s in segments), "world_size": n, "global_batch": gb,
-            "segments": [s.to_json() for s in segments], "train_examples": train_examples,
-            "accumulation": self.runner.accumulation_record()})
+        per_epoch = self.schedule.schedule.samples_per_epoch if self.schedule else max(train_examples, 1)
+        lr = self.schedule.schedule.at_epoch if self.schedule else (
+            lambda _: float(tf.convert_to_tensor(self.runner.optimizer.learning_rate)))
+        self.checkpoints.save(int(self.state.step.numpy()), metadata=checkpoint_record(
+            epoch=epoch, segments=segments, world_size=n, global_batch=gb, train_examples=train_examples,
+            samples_per_epoch=per_epoch, epochs=self.epochs, lr=lr, loop="custom",
+            accumulation=self.runner.accumulation_record()))
+
+    def _anchor(self, epoch: int, at: EpochPosition) -> None:
+        """Anchors the schedule at the samples trained before this epoch's first step; logs a resume once."""
+        if self.schedule is None:
+            return
+        gb = self.cfg.train.global_batch
+        lr = self.schedule.anchor(trained_samples(epoch, at, gb, self.schedule.schedule.samples_per_epoch))
+        if self.resumed is not None and not self._announced:
+            self._announced = True
+            announce(self.metrics, self.resumed.metadata, step=int(self.state.step.numpy()), global_batch=gb, lr=lr,
+                     epochs_trained=self.schedule.epochs(), rule=self.schedule_rule)
 
     def _position(self, epoch: int, plan: EpochPlan, segments: list[Segment]) -> tuple[EpochPosition, int]:
         """Where this epoch's data resumes, and the steps left in it; says when the size or batch changed."""
@@ -237,6 +258,7 @@ class Controller:
                 ahead = None
                 epoch_cfg, plan, at, left, train_input = epoch_input
                 train_examples = plan.num_samples
+                self._anchor(epoch, at)
                 lp = _EpochLoop(epoch=epoch, position=position, at=at, segment_steps=at.steps,
                                 train_examples=train_examples, step=int(state.step.numpy()), segments=segments,
                                 bar=self.metrics.progress(position + left, position, f"epoch {epoch + 1}/{epochs}",

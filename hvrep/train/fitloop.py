@@ -1,19 +1,30 @@
 """``train.loop=fit``: the same run trained by Keras' ``model.fit`` through ``hvrep.keras`` instead of hvrep's loop.
 
 What is the same as the custom loop (``controller.py``): the model, the
-optimizer and schedule, the data pipeline with its per-epoch seed and plan,
-the exact global evaluation (``Runner.evaluate``), ``metrics.jsonl`` and the
-console lines, the checkpoint at the end of every ``checkpoint.every_epochs``
-(model, optimizer, step, epoch), ``train.max_steps`` and the target accuracy.
+optimizer and its schedule in epochs (``optim.py``, ``position.py``), the data
+pipeline with its per-epoch seed and plan, the exact global evaluation
+(``Runner.evaluate``), ``metrics.jsonl`` and the console lines, ``train.max_steps``
+and the target accuracy, and the checkpoints: the same trackables under the
+same names and the same ``checkpoint.json``, so a checkpoint written by either
+loop resumes in the other (``--resume``, restored as ``resume.py`` agrees on
+every rank), at the same or another world size or global batch. SIGTERM or
+SIGUSR1 (``slurm/preemptible.sbatch``) stops every rank at the same step
+boundary and saves where the epoch stands, as the custom loop does.
+
 What fit does its own way: the step (Keras' ``train_step``: loss, backward
 pass, ``hvrep.keras.DistributedOptimizer``), the loop over batches
-(``train.steps_per_loop`` becomes ``steps_per_execution``), and the training
-loss and accuracy (Keras' metrics, averaged over the ranks by
-``MetricAverageCallback``). Not supported here: ``--resume``, gradient
-accumulation, and stopping on signals; use ``train.loop=custom`` for those.
+(``train.steps_per_loop`` becomes ``steps_per_execution``; the stop agreement
+runs once per execution), and the training loss and accuracy (Keras' metrics,
+averaged over the ranks by ``MetricAverageCallback``). Not supported here:
+gradient accumulation; use ``train.loop=custom`` for it.
 
-One ``fit`` call per epoch: each epoch builds its dataset with that epoch's
-seed, as the custom loop does.
+One ``fit`` call per epoch (or per rest of an epoch): each builds its dataset
+with that epoch's seed and plan, as the custom loop does. With the in-graph
+backend one process reads the whole global batch and Keras splits it, so its
+segments are recorded as one data replica of the global batch.
+
+Checkpoints written by the fit loop before this layout (format 1) nested the
+optimizer inside ``DistributedOptimizer``; ``resume.py`` still reads them.
 """
 
 from __future__ import annotations
@@ -29,116 +40,231 @@ import tensorflow as tf
 
 import hvrep
 import hvrep.keras
-from hvrep.data import data_errors, make_dataset
+from hvrep.data import EpochPosition, data_errors, epoch_plan, make_dataset
 from hvrep.errors import ConfigError
 from hvrep.replica.context import InputContext
+from hvrep.train import optim as optimizers
+from hvrep.train import position
+from hvrep.train import resume as resuming
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
+from hvrep.train.controller import LoopState
 from hvrep.train.metrics import MetricsWriter
+from hvrep.train.position import SchedulePosition
+from hvrep.train.preemption import stop_on_signals
 from hvrep.train.steps import Runner
 
 
-def check_supported(cfg: RunConfig, resume: bool) -> None:
+def check_supported(cfg: RunConfig) -> None:
     """Raises ConfigError for what the fit loop does not do, naming the fix."""
-    if resume:
-        raise ConfigError("--resume works with train.loop=custom only: the fit loop does not restore a run. Fix: "
-                          "resume with train.loop=custom (the checkpoints are the same), or start afresh.")
     if cfg.comm.accumulation_steps > 1:
         raise ConfigError(f"comm.accumulation_steps={cfg.comm.accumulation_steps} works with train.loop=custom "
                           "only. Fix: train.loop=custom, or accumulation_steps=1 with a larger batch.")
 
 
-def _train_dataset(repl: hvrep.Replicator, data_cfg: Any, global_batch: int, num_classes: int) -> tf.data.Dataset:
-    """This process's batches for one epoch, labels one-hot: a rank's own on horovod; in one process (an
-    in-graph backend) the whole global batch, which Keras splits over the replicas of ``repl.scope()``'s strategy."""
+def _train_dataset(repl: hvrep.Replicator, data_cfg: Any, global_batch: int, num_classes: int,
+                   at: EpochPosition, threads: int | None, steps: int) -> tf.data.Dataset:
+    """This process's first ``steps`` batches of (the rest of) one epoch, labels one-hot: a rank's own on horovod;
+    in one process (an in-graph backend) the whole global batch, which Keras splits over the replicas of
+    ``repl.scope()``'s strategy.
+
+    Exactly ``steps``: Keras runs whole executions of ``steps_per_execution`` steps while data lasts, so a
+    ``steps_per_epoch`` that is not a multiple of it would train up to ``steps_per_execution - 1`` more.
+    """
     if repl.num_processes > 1:
-        dataset = repl.distribute_dataset(lambda ctx: make_dataset(data_cfg, "train", ctx),
-                                          global_batch_size=global_batch)
+        dataset = repl.distribute_dataset(
+            lambda ctx: make_dataset(data_cfg, "train", ctx, position=at, threads=threads),
+            global_batch_size=global_batch)
     else:
-        dataset = make_dataset(data_cfg, "train", InputContext(0, 1, global_batch))
-    return dataset.map(lambda x, y: (x, tf.one_hot(y, num_classes)), num_parallel_calls=tf.data.AUTOTUNE)
+        dataset = make_dataset(data_cfg, "train", InputContext(0, 1, global_batch), position=at, threads=threads)
+    return dataset.map(lambda x, y: (x, tf.one_hot(y, num_classes)),
+                       num_parallel_calls=tf.data.AUTOTUNE).take(steps)
 
 
 class _EpochRecorder(keras.callbacks.Callback):
-    """Keeps the epoch's logs (after MetricAverageCallback averaged them) and its wall time."""
+    """Keeps the epoch's logs (after MetricAverageCallback averaged them), its wall time and steps trained."""
 
     def __init__(self) -> None:
         super().__init__()
         self.logs: dict[str, float] = {}
         self.seconds = 0.0
+        self.steps = 0
+        self.limit = 0
         self._t0 = 0.0
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._t0 = time.perf_counter()
+        self.steps = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # Keras passes the last step of the execution, counted from 0 in the fit call, as if every execution were
+        # whole; the last one stops where the data does (`limit`, the fit call's steps).
+        self.steps = min(batch + 1, self.limit)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.seconds = time.perf_counter() - self._t0
         self.logs = dict(logs or {})
 
 
-def run_fit(cfg: RunConfig, repl: hvrep.Replicator, build: Callable[[], tuple[Any, Any, int, float]], *,
-            steps_per_epoch: int, val_images: int, metrics: MetricsWriter) -> dict[str, Any]:
-    """Trains with ``model.fit``; returns what ``Controller.run`` returns.
+class _StepLog(keras.callbacks.Callback):
+    """The custom loop's ``train`` event every ``train.log_every`` steps (at the end of the execution that reaches
+    it): the next step's LR, images/s, and the chief's running loss and accuracy in the epoch (Keras' means so far;
+    the epoch's line averages them over the ranks)."""
+
+    def __init__(self, metrics: MetricsWriter, log_every: int, global_batch: int, schedule: SchedulePosition) -> None:
+        super().__init__()
+        self.metrics, self.log_every, self.global_batch, self.schedule = metrics, log_every, global_batch, schedule
+        self.first_step = 0  # the global step before this fit call
+        self.limit = 0  # the fit call's steps
+        self.epoch = 0
+        self._t0 = 0.0
+        self._last = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._t0 = time.perf_counter()
+        self._last = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        steps = min(batch + 1, self.limit)  # see _EpochRecorder
+        step = self.first_step + steps
+        if step // self.log_every > (self.first_step + self._last) // self.log_every:
+            logs = logs or {}
+            self.metrics.write("train", step, epoch=self.epoch, loss=float(logs.get("loss", float("nan"))),
+                               lr=self.schedule.lr(),
+                               images_per_sec=steps * self.global_batch / max(time.perf_counter() - self._t0, 1e-9),
+                               train_top1=float(logs.get("accuracy", float("nan"))))
+        self._last = steps
+
+
+class _StopAgreement(keras.callbacks.Callback):
+    """Stops fit on every rank after the same execution when a signal reached any rank (one reduce each)."""
+
+    def __init__(self, repl: hvrep.Replicator, stop: Any) -> None:
+        super().__init__()
+        self.repl = repl
+        self.stop = stop
+        self.signalled = False
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if int(self.repl.reduce(tf.constant(int(self.stop.requested)), "sum")) > 0:
+            self.signalled = True
+            self.model.stop_training = True
+
+
+def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any], *, train_images: int,
+            val_images: int, metrics: MetricsWriter, resume: bool,
+            started: Callable[[Any, int, Path | None], None]) -> dict[str, Any]:
+    """Trains with ``model.fit``; returns what ``Controller.run`` returns, with "step", "epoch" and "checkpoint".
 
     Args:
-      build: called inside ``repl.scope()``; returns (model, optimizer, epochs, label smoothing).
+      make_model: called inside ``repl.scope()``.
+      resume: restore the newest checkpoint of ``cfg.output_dir`` first (either loop's).
+      started: called once the run's optimizer, length and checkpoint are known (the config event).
     """
     n, gb = repl.num_replicas, cfg.train.global_batch
+    data_replicas = repl.num_processes  # the in-graph backend reads the global batch in one pipeline
     with repl.scope():
-        model, optimizer, epochs, smoothing = build()
-        distributed = hvrep.keras.DistributedOptimizer(optimizer, repl)
+        model = make_model()
+        optim = optimizers.build(cfg, train_images)
+        distributed = hvrep.keras.DistributedOptimizer(optim.optimizer, repl)
         model.compile(optimizer=distributed,
-                      loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=smoothing),
+                      loss=keras.losses.CategoricalCrossentropy(from_logits=True,
+                                                                label_smoothing=optim.label_smoothing),
                       metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
                       steps_per_execution=cfg.train.steps_per_loop, jit_compile=cfg.train.jit_compile)
         distributed.build(model.trainable_variables)
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        state = LoopState(step=tf.Variable(0, dtype=tf.int64, trainable=False, name="step"),
+                          epoch=tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch"),
+                          position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
     # The exact global evaluation of the custom loop (padding excluded, every image once).
-    evaluator = Runner(repl, model, distributed, num_classes=cfg.model.num_classes, label_smoothing=smoothing,
-                       fp16=False, jit_compile=False)
+    evaluator = Runner(repl, model, distributed, num_classes=cfg.model.num_classes,
+                       label_smoothing=optim.label_smoothing, fp16=False, jit_compile=False)
+    # The custom loop's trackables: the optimizer it saves is the one inside the DistributedOptimizer (with its
+    # LossScaleOptimizer under mixed_float16, as the custom loop wraps it).
     ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", is_chief=repl.is_chief, keep=cfg.checkpoint.keep,
-                             model=model, optimizer=distributed, step=step, epoch=epoch_var,
-                             position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
+                             model=model, optimizer=distributed.inner_optimizer, step=state.step, epoch=state.epoch,
+                             position=state.position)
+    resumed = resuming.restore(repl, ckpt, 1) if resume else None
+    if resumed:
+        optimizers.follow_checkpoint(cfg, optim, resumed.metadata, train_images)
+    schedule = SchedulePosition(optim.schedule, distributed, gb)
+    epochs = optim.epochs
+    started(optim.optimizer, epochs, resumed.folder if resumed else None)
+
     recorder = _EpochRecorder()
-    callbacks = [hvrep.keras.callbacks.BroadcastGlobalVariablesCallback(repl),
-                 hvrep.keras.callbacks.MetricAverageCallback(repl), recorder]
-    start = time.time()
     summary: dict[str, Any] = {"stopped": "completed"}
     top1 = top5 = float("nan")
     rates: list[float] = []
-    done = 0
-    for epoch in range(epochs):
-        steps = steps_per_epoch
-        if cfg.train.max_steps:
-            steps = min(steps, cfg.train.max_steps - done)
-        epoch_cfg = dataclasses.replace(cfg.data, seed=cfg.data.seed + cfg.train.seed * 1000 + epoch)
-        with data_errors(epoch_cfg, "train"):
-            model.fit(_train_dataset(repl, epoch_cfg, gb, cfg.model.num_classes), initial_epoch=epoch,
-                      epochs=epoch + 1, steps_per_epoch=steps, shuffle=False, verbose=0, callbacks=callbacks)
-        done += steps
-        step.assign(done)
-        rates.append(steps * gb / max(recorder.seconds, 1e-9))
-        line = {"epoch": epoch + 1, "loss": float(recorder.logs.get("loss", float("nan"))),
-                "images_per_sec": rates[-1], "train_top1": float(recorder.logs.get("accuracy", float("nan")))}
-        last = epoch + 1 == epochs or bool(cfg.train.max_steps and done >= cfg.train.max_steps)
-        if (epoch + 1) % cfg.train.eval_every == 0 or last:
-            top1, top5 = evaluator.evaluate(cfg.data, val_images, gb // n)
-            line.update(top1=top1, top5=top5)
-        metrics.write("epoch", done, **line)
-        acc = f"  val top-1 {top1:.4f} top-5 {top5:.4f}" if "top1" in line else ""
-        metrics.say(f"epoch {epoch + 1}/{epochs} (fit)  loss {line['loss']:.4f}  {rates[-1]:,.0f} images/s{acc}")
-        epoch_var.assign(epoch + 1)
-        if (epoch + 1) % cfg.checkpoint.every_epochs == 0 or last:
-            ckpt.save(done, metadata={"epoch": epoch + 1, "position": 0, "world_size": n, "global_batch": gb,
-                                      "segments": [], "loop": "fit"})
-        target = cfg.train.target_accuracy
-        if target is not None and "top1" in line and top1 >= target:
-            summary.update(stopped="target_accuracy", time_to_accuracy_sec=time.time() - start)
-            break
-        if cfg.train.max_steps and done >= cfg.train.max_steps:
-            summary["stopped"] = "max_steps"
-            break
+    done = int(state.step.numpy())
+    segments = resumed.segments(data_replicas, gb) if resumed else []
+    train_examples = 0
+    start = time.time()
+
+    def save(epoch: int) -> None:
+        ckpt.save(done, metadata=resuming.checkpoint_record(
+            epoch=epoch, segments=segments, world_size=n, global_batch=gb, train_examples=train_examples,
+            samples_per_epoch=optim.schedule.samples_per_epoch, epochs=epochs, lr=optim.schedule.at_epoch,
+            loop="fit"))
+
+    with stop_on_signals() as stop:
+        agreement = _StopAgreement(repl, stop)
+        step_log = _StepLog(metrics, cfg.train.log_every, gb, schedule)
+        callbacks = [hvrep.keras.callbacks.BroadcastGlobalVariablesCallback(repl),
+                     hvrep.keras.callbacks.MetricAverageCallback(repl), recorder, step_log, agreement]
+        epoch = int(state.epoch.numpy())
+        while epoch < epochs:
+            epoch_cfg = dataclasses.replace(cfg.data, seed=cfg.data.seed + cfg.train.seed * 1000 + epoch)
+            plan = epoch_plan(epoch_cfg, "train")
+            train_examples = plan.num_samples
+            at = EpochPosition.resume(segments, data_replicas, gb)
+            left = plan.steps(data_replicas, gb // data_replicas, at) - at.steps
+            steps = min(left, cfg.train.max_steps - done) if cfg.train.max_steps else left
+            lr = schedule.anchor(position.trained_samples(epoch, at, gb, optim.schedule.samples_per_epoch))
+            if resumed is not None and epoch == int(resumed.metadata.get("epoch", 0)):
+                position.announce(metrics, resumed.metadata, step=done, global_batch=gb, lr=lr,
+                                  epochs_trained=schedule.epochs(), rule=optim.rule)
+                resumed = None
+            recorder.steps, recorder.limit = 0, steps
+            step_log.first_step, step_log.epoch, step_log.limit = done, epoch, steps
+            if steps > 0:
+                with data_errors(epoch_cfg, "train"):
+                    model.fit(_train_dataset(repl, epoch_cfg, gb, cfg.model.num_classes, at, cfg.train.threads, steps),
+                              initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps, shuffle=False,
+                              verbose=0, callbacks=callbacks)
+            trained = recorder.steps
+            done += trained
+            state.step.assign(done)
+            segments = at.segments(data_replicas, gb, at.steps + trained)
+            if trained:
+                rates.append(trained * gb / max(recorder.seconds, 1e-9))
+            if agreement.signalled:
+                summary["stopped"] = "signal"
+                break
+            if cfg.train.max_steps and done >= cfg.train.max_steps:
+                summary["stopped"] = "max_steps"
+                break
+            epoch += 1
+            segments = []
+            state.epoch.assign(epoch)
+            line = {"epoch": epoch, "loss": float(recorder.logs.get("loss", float("nan"))),
+                    "images_per_sec": rates[-1] if trained else 0.0,
+                    "train_top1": float(recorder.logs.get("accuracy", float("nan")))}
+            if epoch % cfg.train.eval_every == 0 or epoch == epochs:
+                top1, top5 = evaluator.evaluate(cfg.data, val_images, gb // n, cfg.train.threads)
+                line.update(top1=top1, top5=top5)
+            metrics.write("epoch", done, **line)
+            acc = f"  val top-1 {top1:.4f} top-5 {top5:.4f}" if "top1" in line else ""
+            metrics.say(f"epoch {epoch}/{epochs} (fit)  loss {line['loss']:.4f}  "
+                        f"{line['images_per_sec']:,.0f} images/s{acc}")
+            if epoch % cfg.checkpoint.every_epochs == 0 or epoch == epochs:
+                save(epoch)
+            target = cfg.train.target_accuracy
+            if target is not None and "top1" in line and top1 >= target:
+                summary.update(stopped="target_accuracy", time_to_accuracy_sec=time.time() - start)
+                break
+        if summary["stopped"] in ("signal", "max_steps"):
+            state.position.assign(sum(s.steps for s in segments))
+            save(epoch)
     summary.update(top1=top1, top5=top5, images_per_sec=rates, wall_sec=time.time() - start, step=done,
-                   epoch=int(epoch_var.numpy()), checkpoint=str(ckpt.latest()) if ckpt.latest() else None)
+                   epoch=int(state.epoch.numpy()), checkpoint=str(ckpt.latest()) if ckpt.latest() else None)
     return summary

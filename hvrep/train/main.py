@@ -36,34 +36,6 @@ from hvrep.train import config as configs
 from hvrep.train import cores
 
 
-def _optimizer(cfg: configs.RunConfig, steps_per_epoch: int, train_images: int) -> tuple[Any, int, float]:
-    """(optimizer, epochs, label smoothing) from the recipe or the explicit settings."""
-    from hvrep import recipes, schedules
-    from hvrep.optimizers import LARS, MomentumSGD
-
-    o, t = cfg.optim, cfg.train
-    exclude = None if o.exclude_bn_and_bias else []  # None: the optimizers' defaults (BN and biases)
-    if o.optimizer == "recipe":
-        recipe = recipes.imagenet_resnet50(t.global_batch, t.epochs, train_images=train_images,
-                                           label_smoothing=o.label_smoothing,
-                                           exclude_bn_and_bias_from_weight_decay=o.exclude_bn_and_bias)
-        return recipe.optimizer, recipe.epochs, recipe.label_smoothing
-    epochs = t.epochs or 90
-    total = epochs * steps_per_epoch
-    warmup = round(o.warmup_epochs * steps_per_epoch)
-    kwargs: dict[str, Any] = {"peak_lr": o.peak_lr, "total_steps": total, "warmup_steps": warmup}
-    if o.decay == "step":  # Goyal's 30/60/80 of 90 epochs, scaled to this run
-        kwargs["boundaries"] = [max(warmup + 1, round(total * f)) for f in (30 / 90, 60 / 90, 80 / 90)]
-    schedule = schedules.warmup_schedule(o.decay, **kwargs)
-    if o.optimizer == "lars":
-        opt = LARS(schedule, momentum=o.momentum, weight_decay=o.weight_decay, exclude_from_weight_decay=exclude,
-                   exclude_from_layer_adaptation=exclude)
-    else:
-        opt = MomentumSGD(schedule, momentum=o.momentum, weight_decay=o.weight_decay,
-                          exclude_from_weight_decay=exclude)
-    return opt, epochs, o.label_smoothing or 0.0
-
-
 def _model(cfg: configs.RunConfig) -> Any:
     from hvrep import models
 
@@ -97,13 +69,15 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     import tensorflow as tf
 
     import hvrep
-    from hvrep import _env
+    from hvrep import _env, schedules
     from hvrep.data import num_examples, write_demo
     from hvrep.replica import watchdog
+    from hvrep.train import optim as optimizers
     from hvrep.train import resume as resuming
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.controller import Controller, LoopState
     from hvrep.train.metrics import MetricsWriter
+    from hvrep.train.position import SchedulePosition
     from hvrep.train.steps import Runner
 
     if not cfg.data.data_dir:
@@ -126,23 +100,22 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
         raise HvrepError(f"train.global_batch={gb} must divide by the {n} replicas. Fix: use {max(1, gb // n) * n}.")
     train_images = num_examples(cfg.data, "train")
     val_images = num_examples(cfg.data, "val")
-    steps_per_epoch = train_images // gb
-    if steps_per_epoch == 0:
-        raise HvrepError(f"{train_images} training images cannot fill one global batch of {gb}.")
+    steps_per_epoch = schedules.steps_per_epoch(train_images, gb)
 
     keras.utils.set_random_seed(cfg.train.seed)
     if cfg.train.loop == "fit":
         return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding)
     with repl.scope():
         model = _model(cfg)
-        optimizer, epochs, smoothing = _optimizer(cfg, steps_per_epoch, train_images)
+        optim = optimizers.build(cfg, train_images)
+        optimizer = optim.optimizer
         if cfg.train.precision == "fp16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer.build(model.trainable_variables)
         state = LoopState(step=tf.Variable(0, dtype=tf.int64, trainable=False, name="step"),
                           epoch=tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch"),
                           position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
-    runner = Runner(repl, model, optimizer, num_classes=cfg.model.num_classes, label_smoothing=smoothing,
+    runner = Runner(repl, model, optimizer, num_classes=cfg.model.num_classes, label_smoothing=optim.label_smoothing,
                     fp16=cfg.train.precision == "fp16", jit_compile=cfg.train.jit_compile)
     accumulation = {"accumulation": runner.accumulation} if runner.accumulation is not None else {}
     ckpt = CheckpointManager(out / "checkpoints", is_chief=chief, keep=cfg.checkpoint.keep, model=model,
@@ -151,6 +124,9 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     # Every rank restores the chief's newest checkpoint, or every rank stops saying why.
     resumed = resuming.restore(repl, ckpt, cfg.comm.accumulation_steps) if resume else None
     restored = resumed.folder if resumed else None
+    if resumed:
+        optimizers.follow_checkpoint(cfg, optim, resumed.metadata, train_images)
+    schedule = SchedulePosition(optim.schedule, optimizer, gb * cfg.comm.accumulation_steps)
 
     # Chief-only output is decided here, once: other ranks get a writer that does nothing.
     metrics = MetricsWriter(out, chief)
@@ -168,14 +144,15 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
            "cores": list(binding.cores), "bound_here": binding.bound_here,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
+    epochs = optim.epochs
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
-                  optimizer=type(getattr(optimizer, "inner_optimizer", optimizer)).__name__, epochs=epochs,
+                  optimizer=type(optim.optimizer).__name__, epochs=epochs,
                   steps_per_epoch=steps_per_epoch, resumed_from=str(restored) if restored else None)
     metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}), global batch {gb}, {epochs} epochs x "
                 f"{steps_per_epoch} steps, fast path {fast_path}" + (f", resumed from {restored}" if restored else ""))
 
     result = Controller(cfg, runner, state, ckpt, metrics, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        val_images=val_images, resumed=resumed).run()
+                        val_images=val_images, resumed=resumed, schedule=schedule, schedule_rule=optim.rule).run()
     rates = result["images_per_sec"]
     summary = {k: result[k] for k in ("stopped", "time_to_accuracy_sec") if k in result}
     summary.update(step=int(state.step.numpy()), epoch=int(state.epoch.numpy()), top1=result["top1"],
@@ -206,7 +183,7 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
     from hvrep.train import fitloop
     from hvrep.train.metrics import MetricsWriter
 
-    fitloop.check_supported(cfg, resume)
+    fitloop.check_supported(cfg)
     n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
     metrics = MetricsWriter(out, repl.is_chief)
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
@@ -215,18 +192,15 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile, "input": cfg.data.backend,
                  "loop": "fit", "kernels": kernels.status().describe()}
 
-    def build() -> tuple[Any, Any, int, float]:
-        # A LossScaleOptimizer for fp16 is added inside DistributedOptimizer (the global policy is set).
-        optimizer, epochs, smoothing = _optimizer(cfg, steps_per_epoch, train_images)
+    def started(optimizer: Any, epochs: int, restored: Path | None) -> None:
         metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path,
                       env=env, optimizer=type(optimizer).__name__, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                      resumed_from=None)
+                      resumed_from=str(restored) if restored else None)
         metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}) with model.fit, global batch {gb}, "
-                    f"{epochs} epochs x {steps_per_epoch} steps")
-        return _model(cfg), optimizer, epochs, smoothing
+                    f"{epochs} epochs x {steps_per_epoch} steps" + (f", resumed from {restored}" if restored else ""))
 
-    result = fitloop.run_fit(cfg, repl, build, steps_per_epoch=steps_per_epoch, val_images=val_images,
-                             metrics=metrics)
+    result = fitloop.run_fit(cfg, repl, lambda: _model(cfg), train_images=train_images, val_images=val_images,
+                             metrics=metrics, resume=resume, started=started)
     rates = result["images_per_sec"]
     summary = {k: result[k] for k in ("stopped", "time_to_accuracy_sec") if k in result}
     summary.update(step=result["step"], epoch=result["epoch"], top1=result["top1"], top5=result["top5"],

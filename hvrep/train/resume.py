@@ -15,6 +15,7 @@ left waiting in a collective.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,41 @@ from hvrep.train.checkpoint import CheckpointManager, read_metadata
 log = logging.getLogger(__name__)
 
 _NONE, _UNREADABLE = -1, -2  # what a rank reports when it finds no checkpoint / cannot list the directory
+
+# The layout of the training app's checkpoints, in checkpoint.json's "format". 2: both loops save the same
+# trackables (model, optimizer, step, epoch, position, [accumulation]), the optimizer as the custom loop holds
+# it. 1 (no "format" key): the same, but the fit loop saved its DistributedOptimizer, the optimizer nested in it.
+FORMAT = 2
+
+
+def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, global_batch: int,
+                      train_examples: int, samples_per_epoch: int, epochs: int, lr: Callable[[float], float],
+                      loop: str, accumulation: dict[str, int] | None = None) -> dict[str, Any]:
+    """What both training loops write into a checkpoint's ``checkpoint.json``.
+
+    Args:
+      epoch: epochs completed; ``segments``: what of the next one was trained (``hvrep.data.plan``).
+      samples_per_epoch: the schedule's epoch (the training set's size): with the segments it gives the samples
+        trained, which is where the learning-rate schedule stands.
+      epochs: the run's length (a recipe's run keeps it on resume).
+      lr: the schedule's LR after so many epochs (recorded: the LR the next step trains with).
+      loop: "custom" or "fit".
+    """
+    in_epoch = sum(s.steps * s.global_batch for s in segments)
+    trained = epoch + in_epoch / samples_per_epoch
+    return {"format": FORMAT, "loop": loop, "epoch": epoch, "position": sum(s.steps for s in segments),
+            "world_size": world_size, "global_batch": global_batch, "segments": [s.to_json() for s in segments],
+            "train_examples": train_examples, "trained_samples": epoch * samples_per_epoch + in_epoch,
+            "epochs_trained": trained, "epochs": epochs, "lr": lr(trained),
+            "accumulation": accumulation or {"steps": 1, "micro_step": 0}}
+
+
+class _NestedOptimizer(tf.Module):
+    """Format 1 fit checkpoints: the optimizer was saved as ``DistributedOptimizer.inner_optimizer``."""
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__(name="hvrep_nested_optimizer")
+        self.inner_optimizer = optimizer
 
 
 @dataclass(frozen=True)
@@ -140,8 +176,13 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
         )
 
     without = _accumulation_rule(metadata, accumulation_steps, folder)
+    legacy = metadata.get("loop") == "fit" and "format" not in metadata and "optimizer" in checkpoints.trackables
+    if legacy:
+        log.warning("%s was written by the fit loop before checkpoint format %d: reading its optimizer from inside "
+                    "the DistributedOptimizer it was saved in.", folder.name, FORMAT)
     try:
-        checkpoints.restore(folder, without=without)
+        checkpoints.restore(folder, without=without, replace={
+            "optimizer": _NestedOptimizer(checkpoints.trackables["optimizer"])} if legacy else None)
         error = None
     except Exception as err:  # re-raised below, once every rank has said how its restore went
         error = err

@@ -210,3 +210,35 @@ def test_preemptible_job_requeues_on_usr1_then_on_a_hung_rank_and_resumes_each_t
         slurm.wait(job, 120)  # cancelled: its CPUs are free again for whatever runs next
     except SlurmError as e:
         pytest.fail(str(e))
+
+
+def test_preemptible_job_trains_with_model_fit_stops_on_usr1_and_resumes_after_the_requeue(slurm, demo_data,
+                                                                                           tmp_path):
+    # train.loop=fit under the script as it is (it always passes --resume): USR1 stops every rank at the same step
+    # boundary, the chief saves where the epoch stands, the job requeues, and the next start goes on from there.
+    out = tmp_path / "run"
+    log = tmp_path / "job.out"
+    job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
+                                                      "train.loop=fit", "train.epochs=50", "train.log_every=1",
+                                                      "train.steps_per_loop=1"])
+    try:
+        _wait_for(slurm, job, "train event", lambda: _stepping(out, 1), JOB_TIMEOUT)
+        slurm.run(["scancel", "--signal=USR1", str(job)])
+        _wait_for(slurm, job, "train event after a requeue", lambda: _stepping(out, 2), JOB_TIMEOUT)
+        info = slurm.job(job)
+    finally:
+        slurm.run(["scancel", str(job)], check=False)
+    assert int(info["Restarts"]) == 1, info
+    first, second = _runs(out)[:2]
+    assert first[0]["fast_path"]["loop"] == "fit" and second[0]["fast_path"]["loop"] == "fit", first[0]
+    signalled = first[-1]
+    assert signalled["event"] == "final" and signalled["stopped"] == "signal" and signalled["epoch"] < 50, signalled
+    checkpoint = Path(signalled["checkpoint"])
+    assert checkpoint.name == f"ckpt-{signalled['step']:08d}" and checkpoint.parent == out / "checkpoints"
+    assert second[0]["resumed_from"] == str(checkpoint), second[0]
+    assert next(e["step"] for e in second if e["event"] == "train") == signalled["step"] + 1
+    assert f"checkpoint saved; requeueing job {job}" in log.read_text(), slurm.describe(job)
+    try:
+        slurm.wait(job, 120)
+    except SlurmError as e:
+        pytest.fail(str(e))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import numpy as np
@@ -20,12 +19,14 @@ def test_goyal_8k_uses_momentum_sgd_with_linear_scaling_and_5_epoch_warmup():
     assert isinstance(r.optimizer, MomentumSGD) and not isinstance(r.optimizer, type(None))
     assert r.peak_lr == pytest.approx(0.1 * 8192 / 256)  # 3.2
     assert (r.epochs, r.warmup_epochs, r.weight_decay, r.label_smoothing) == (90, 5.0, 1e-4, 0.0)
-    spe = math.ceil(1_281_167 / 8192)
-    assert r.steps_per_epoch == spe
+    # Full batches only, the training loop's rule (hvrep.schedules.steps_per_epoch).
+    assert r.steps_per_epoch == 1_281_167 // 8192 == 156
     assert float(r.schedule(0)) == pytest.approx(0.1)  # Goyal: warm up from the base LR
-    assert float(r.schedule(5 * spe)) == pytest.approx(3.2)
-    assert float(r.schedule(30 * spe)) == pytest.approx(0.32)
-    assert float(r.schedule(80 * spe)) == pytest.approx(0.0032)
+    assert r.schedule.at_epoch(5) == pytest.approx(3.2)  # warmup and decay are defined in epochs
+    assert r.schedule.at_epoch(30) == pytest.approx(0.32)
+    assert r.schedule.at_epoch(80) == pytest.approx(0.0032)
+    # Called with optimizer steps, as Keras does: step k has trained k global batches.
+    assert float(r.schedule(156)) == pytest.approx(r.schedule.at_epoch(156 * 8192 / 1_281_167))
 
 
 def test_mlperf_rows_use_lars_with_polynomial_decay_from_zero():
@@ -33,7 +34,7 @@ def test_mlperf_rows_use_lars_with_polynomial_decay_from_zero():
     assert type(r.optimizer) is LARS and r.optimizer.eta == 0.001
     assert (r.peak_lr, r.warmup_epochs, r.epochs, r.label_smoothing) == (25.0, 32.0, 88, 0.1)
     assert float(r.schedule(0)) == 0.0
-    assert float(r.schedule(round(32 * r.steps_per_epoch))) == pytest.approx(25.0)
+    assert r.schedule.at_epoch(32) == pytest.approx(25.0)
     assert not r.extrapolated
 
 

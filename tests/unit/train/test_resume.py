@@ -53,3 +53,32 @@ def test_pending_micro_batches_need_the_same_accumulation_steps(tmp_path):
     with pytest.raises(CheckpointError, match=r"micro-step 3 with comm.accumulation_steps=2.*Fix: resume with "
                                               r"comm.accumulation_steps=2"):
         resume._accumulation_rule({"accumulation": {"steps": 2, "micro_step": 3}}, 4, tmp_path / "ckpt-00000003")
+
+
+def _model_and_sgd(repl, optimizer=None):
+    import keras
+
+    with repl.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+        (optimizer(sgd) if optimizer else sgd).build(model.trainable_variables)
+    return model, sgd
+
+
+def test_a_fit_checkpoint_of_format_1_restores_the_optimizer_nested_in_its_distributed_optimizer(repl, tmp_path):
+    import hvrep.keras
+
+    # What the fit loop saved before format 2: the DistributedOptimizer, the optimizer inside it.
+    wrapped = []
+    model, sgd = _model_and_sgd(repl, lambda o: wrapped.append(hvrep.keras.DistributedOptimizer(o, repl)) or wrapped[0])
+    for i, v in enumerate([*model.weights, *sgd.variables]):
+        v.assign(tf.cast(tf.fill(v.shape, i + 3), v.dtype))
+    saved = [v.numpy() for v in [*model.weights, *sgd.variables]]
+    CheckpointManager(tmp_path, is_chief=True, model=model, optimizer=wrapped[0]).save(
+        7, metadata={"loop": "fit", "epoch": 0, "position": 7, "world_size": 2, "global_batch": 64})
+
+    model, sgd = _model_and_sgd(repl)  # today's layout in either loop: the optimizer itself
+    point = resume.restore(repl, CheckpointManager(tmp_path, is_chief=True, model=model, optimizer=sgd))
+    assert point is not None and point.step == 7
+    restored = [v.numpy() for v in [*model.weights, *sgd.variables]]
+    assert len(restored) == len(saved) and all((a == b).all() for a, b in zip(restored, saved, strict=True))

@@ -1,0 +1,86 @@
+"""The training app's optimizer: the recipe's or the configured one, with its schedule in epochs.
+
+Both loops (``controller.py`` and ``fitloop.py``) build it here, and both adapt it
+here to the checkpoint a run resumes from (``follow_checkpoint``), so a resume
+with another global batch continues the same way in either loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hvrep import recipes, schedules
+from hvrep.errors import ConfigError
+from hvrep.optimizers import LARS, MomentumSGD
+from hvrep.train import config as configs
+
+
+@dataclasses.dataclass
+class Optim:
+    """The optimizer (before loss scaling or distribution), its schedule in epochs, and the run's length."""
+
+    optimizer: Any
+    schedule: schedules.EpochSchedule
+    epochs: int
+    label_smoothing: float
+    rule: str  # how the peak LR was chosen, for the log
+
+
+def build(cfg: configs.RunConfig, train_images: int, epochs: int | None = None) -> Optim:
+    """The recipe's or the explicit optimizer; ``epochs`` (a checkpoint's) overrides the configured length."""
+    o, t = cfg.optim, cfg.train
+    exclude = None if o.exclude_bn_and_bias else []  # None: the optimizers' defaults (BN and biases)
+    per_step = t.global_batch * cfg.comm.accumulation_steps
+    if o.optimizer == "recipe":
+        recipe = recipes.imagenet_resnet50(t.global_batch, epochs or t.epochs, train_images=train_images,
+                                           label_smoothing=o.label_smoothing,
+                                           exclude_bn_and_bias_from_weight_decay=o.exclude_bn_and_bias)
+        return Optim(recipe.optimizer, recipe.schedule, recipe.epochs, recipe.label_smoothing,
+                      f"the recipe for global batch {t.global_batch}: peak {recipe.peak_lr:.6g} after "
+                      f"{recipe.warmup_epochs:g} warmup epochs")
+    n_epochs = epochs or t.epochs or 90
+    if o.warmup_epochs > n_epochs:
+        raise ConfigError(f"optim.warmup_epochs={o.warmup_epochs:g} is longer than training (train.epochs="
+                         f"{n_epochs}). Fix: a shorter optim.warmup_epochs or a larger train.epochs.")
+    kwargs: dict[str, Any] = {"peak_lr": o.peak_lr, "epochs": n_epochs, "warmup_epochs": o.warmup_epochs,
+                              "samples_per_epoch": train_images, "samples_per_step": per_step}
+    if o.decay == "step":  # Goyal's 30/60/80 of 90 epochs, scaled to this run (each after the warmup)
+        after_warmup = o.warmup_epochs + t.global_batch / train_images
+        kwargs["boundaries"] = [max(after_warmup, n_epochs * f) for f in (30 / 90, 60 / 90, 80 / 90)]
+    schedule = schedules.epoch_schedule(o.decay, **kwargs)
+    if o.optimizer == "lars":
+        opt = LARS(schedule, momentum=o.momentum, weight_decay=o.weight_decay, exclude_from_weight_decay=exclude,
+                   exclude_from_layer_adaptation=exclude)
+    else:
+        opt = MomentumSGD(schedule, momentum=o.momentum, weight_decay=o.weight_decay,
+                          exclude_from_weight_decay=exclude)
+    return Optim(opt, schedule, n_epochs, o.label_smoothing or 0.0,
+                  f"optim.peak_lr={o.peak_lr:g}, not rescaled; the schedule goes on by epoch")
+
+
+def follow_checkpoint(cfg: configs.RunConfig, optim: Optim, metadata: dict[str, Any], train_images: int) -> None:
+    """Adapts the schedule to the checkpoint a run resumes from (before the first step).
+
+    With ``optim.optimizer=recipe`` the new batch's recipe applies from the epoch reached and the run keeps the
+    checkpoint's length (unless ``train.epochs`` says otherwise); a batch change that switches the recipe's
+    optimizer is refused. An explicit schedule is left as configured: it goes on by epoch.
+    """
+    if cfg.optim.optimizer != "recipe":
+        return
+    old, new = metadata.get("global_batch"), cfg.train.global_batch
+    limit = recipes.GOYAL_MAX_BATCH
+    if isinstance(old, int) and (old <= limit) != (new <= limit):
+        names = {True: "momentum SGD (Goyal et al.)", False: "LARS (MLPerf)"}
+        raise ConfigError(
+            f"train.global_batch={new} switches the recipe's optimizer: the checkpoint was trained with global batch "
+            f"{old}, i.e. {names[old <= limit]}, and {new} takes {names[new <= limit]}, whose state cannot continue "
+            f"the other's. Fix: resume with a train.global_batch {'of at most' if old <= limit else 'above'} "
+            f"{limit:,}, or start a new run in another output_dir.")
+    saved_epochs = metadata.get("epochs")
+    if cfg.train.epochs is None and isinstance(saved_epochs, int) and saved_epochs != optim.epochs:
+        recipe = recipes.imagenet_resnet50(new, saved_epochs, train_images=train_images,
+                                           label_smoothing=cfg.optim.label_smoothing,
+                                           exclude_bn_and_bias_from_weight_decay=cfg.optim.exclude_bn_and_bias)
+        optim.schedule.schedule = recipe.schedule.schedule
+        optim.epochs = saved_epochs
