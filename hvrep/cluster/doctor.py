@@ -97,8 +97,11 @@ def _mpi() -> dict[str, Any]:
     }
     if library.startswith("Open MPI"):
         exported = os.environ.get(_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE)
-        # What a rank waiting in MPI does: hvrep's Replicator asks for yielding unless this was exported.
+        site = _env.mca_file_setting("mpi_yield_when_idle")
+        # What a rank waiting in MPI does: hvrep's Replicator asks for yielding unless this was exported or a
+        # parameter file sets it.
         report["yield_when_idle"] = (f"{exported} (exported)" if exported is not None else
+                                     f"{site[1]} (from {site[0]})" if site is not None else
                                      "1 from hvrep's Replicator, if it starts MPI (CommConfig."
                                      "mpi_yield_when_idle); Open MPI alone busy-polls")
     if library.startswith("Open MPI v5") and _dist_version("horovod") == "0.28.1":

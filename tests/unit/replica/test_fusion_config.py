@@ -116,6 +116,33 @@ def test_mpi_yield_when_idle_reaches_open_mpi_through_the_environment(monkeypatc
     assert started == {"HOROVOD_FUSION_THRESHOLD": None, "HOROVOD_CYCLE_TIME": None, YIELD: expected}
 
 
+@pytest.mark.parametrize("where", ["home", "param_files", "opal_prefix"])
+def test_a_site_parameter_file_that_sets_mpi_yield_when_idle_is_not_overridden(monkeypatch, tmp_path, where):
+    from hvrep import _env
+
+    for name in (YIELD, "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", *_env.OMPI_MCA_PARAM_FILES_VARS,
+                 "OPAL_PREFIX", "OMPI_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    conf = {"home": tmp_path / "home" / ".openmpi" / "mca-params.conf",
+            "param_files": tmp_path / "site.conf",
+            "opal_prefix": tmp_path / "ompi" / "etc" / "openmpi-mca-params.conf"}[where]
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text("# site settings\nbtl_tcp_if_include = eth0\nmpi_yield_when_idle = 0  # spin: dedicated nodes\n")
+    if where == "param_files":
+        monkeypatch.setenv("OMPI_MCA_mca_base_param_files", f"{tmp_path / 'missing.conf'},{conf}")
+    elif where == "opal_prefix":
+        monkeypatch.setenv("OPAL_PREFIX", str(tmp_path / "ompi"))
+    started = _env.set_horovod_knobs(None, None, True, mpi_started=False)
+    # An exported OMPI_MCA_* would beat the site's file: hvrep exports nothing, and reports the file's value.
+    assert YIELD not in os.environ
+    assert started[YIELD] == "0"
+    assert _env.mca_file_setting("mpi_yield_when_idle") == (conf, "0")
+
+    conf.write_text("mpi_yield_when_idle_x = 0\n# mpi_yield_when_idle = 0\n")  # neither sets it
+    assert _env.set_horovod_knobs(None, None, True, mpi_started=False)[YIELD] == "1"
+
+
 @pytest.mark.parametrize(("text", "value"), [
     ("1", True), ("true", True), (" Yes", True), ("0", False), ("false", False), ("no", False), (None, None),
     ("maybe", None),
