@@ -11,8 +11,8 @@ TensorFlow's import (5 s and more).
 import importlib
 from typing import Any
 
-from hvrep import errors
 from hvrep import compat as _compat
+from hvrep import errors
 from hvrep._version import __version__
 from hvrep.replica.placement import Placement, resolve_placement
 

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hvrep"
 
@@ -127,8 +125,8 @@ def test_the_docs_scripts_and_tests_name_only_module_paths_that_exist():
     wrong = set()
     for path in _DOC_FILES:
         text = (ROOT / path).read_text(errors="replace")
-        for dotted in set(_MODULE_PATH.findall(text)):
-            dotted = dotted.rstrip(".")
+        for found in set(_MODULE_PATH.findall(text)):
+            dotted = found.rstrip(".")
             if not _is_module_or_attribute(dotted):
                 wrong.add(f"{Path(path).relative_to(ROOT) if Path(path).is_absolute() else path}: {dotted}")
     # The README's note on the layout names the removed paths on purpose.
