@@ -196,10 +196,15 @@ def set_horovod_knobs(fusion_threshold_bytes: int | None, cycle_time_ms: float |
     site = mca_file_setting("mpi_yield_when_idle")
     if mpi_yield_when_idle is not None and not mpi_started and site is None:
         os.environ.setdefault(OMPI_MCA_MPI_YIELD_WHEN_IDLE, "1" if mpi_yield_when_idle else "0")
-    started = {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME, OMPI_MCA_MPI_YIELD_WHEN_IDLE)}
+    started = {**horovod_knobs(), OMPI_MCA_MPI_YIELD_WHEN_IDLE: os.environ.get(OMPI_MCA_MPI_YIELD_WHEN_IDLE)}
     if started[OMPI_MCA_MPI_YIELD_WHEN_IDLE] is None and site is not None:
         started[OMPI_MCA_MPI_YIELD_WHEN_IDLE] = site[1]  # what Open MPI reads: the site's file
     return started
+
+
+def horovod_knobs() -> dict[str, str | None]:
+    """HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME as set now (None: unset)."""
+    return {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME)}
 
 
 def mca_param_files() -> list[Path]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -151,3 +153,32 @@ def test_open_mpi_flags_read_as_open_mpi_reads_them(text, value):
     from hvrep import _env
 
     assert _env.flag_value(text) is value
+
+
+_AFTER_USERS_INIT = """
+import horovod.tensorflow as hvd
+import hvrep
+from hvrep.errors import ConfigError
+from hvrep.replica.backends import horovod as backend
+
+hvd.init()  # the user's own, before any Replicator
+try:
+    hvrep.Replicator("horovod", config=hvrep.CommConfig(cycle_time_ms=7.5))
+except ConfigError as e:
+    print("refused:", e)
+# hvrep's own re-initialisation (elastic training) passes the private flag: recorded, not refused.
+backend._start_horovod(hvd, hvrep.CommConfig(cycle_time_ms=7.5), started_by_hvrep=True)
+print("recorded:", backend._started_with["HOROVOD_CYCLE_TIME"])
+"""
+
+
+def test_horovod_settings_after_the_users_own_hvd_init_are_refused_but_not_hvreps_own_restart():
+    # One process (Open MPI's singleton); tests/multirank/cases_horovod_core.py does it on 2 ranks per launcher.
+    env = {k: v for k, v in os.environ.items() if k not in ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD")}
+    res = subprocess.run([sys.executable, "-c", _AFTER_USERS_INIT], capture_output=True, text=True, timeout=300,
+                         env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "refused: this Replicator's CommConfig asks for cycle_time_ms=7.5" in res.stdout, res.stdout
+    assert "an hvd.init() of your own" in res.stdout and "Fix: create the Replicator before calling hvd.init()" \
+        in res.stdout
+    assert "recorded: 7.5" in res.stdout, res.stdout
