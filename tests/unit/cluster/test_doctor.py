@@ -65,7 +65,8 @@ def test_report_says_which_frameworks_horovod_runs_on_as_they_are(full_report):
 
     horovod = Path(importlib.util.find_spec("horovod").origin).parent
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    torch_ready = (horovod / "torch" / f"mpi_lib_v2{suffix}").is_file() and importlib.util.find_spec("torch") is not None
+    torch_ready = ((horovod / "torch" / f"mpi_lib_v2{suffix}").is_file()
+                   and importlib.util.find_spec("torch") is not None)
     assert full_report["horovod"]["tensorflow"] is True
     assert full_report["horovod"]["pytorch"] is torch_ready
     assert full_report["horovod"]["mxnet"] is False
