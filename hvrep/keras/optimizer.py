@@ -144,7 +144,7 @@ class DistributedOptimizer(_Optimizer):
                 "not run it on the Replicator's devices. Fix: create and compile the model inside "
                 "`with repl.scope():`."
             )
-        return list(repl.all_reduce(list(grads), op))
+        return list(repl.all_reduce(list(grads), op, compress=True))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         if not self.built:

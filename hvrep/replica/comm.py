@@ -62,8 +62,12 @@ class CommConfig:
         parity (0.99x) when Horovod's job yields too
         (``mpirun -x OMPI_MCA_mpi_yield_when_idle=1``; README, "Throughput
         against plain Horovod").
-      compression: "none", "fp16" or "bf16": the dtype floating-point
-        buffers travel in. fp16 halves the bytes on every backend. bf16 keeps
+      compression: "none", "fp16" or "bf16": the dtype gradient buffers
+        travel in: the floating-point sum/mean of the reductions that ask for
+        it (``all_reduce(..., compress=True)``: ``wrap_optimizer``,
+        ``hvrep.keras.DistributedOptimizer``, the training app's step), never
+        statistics, counts, metrics or other values (fp16's largest value is
+        65,504). fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
         refuses it (see README, "Backends and what they support").
       num_groups: 0 to bucket by ``fusion_threshold_bytes``; N > 0 to split

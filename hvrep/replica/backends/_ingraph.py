@@ -300,8 +300,8 @@ class InGraphBackend(Backend):
             raise CollectiveError("in-graph collective called in cross-replica context; call it inside run().")
         return ctx
 
-    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
-        out = super().all_reduce(tensors, op)
+    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str, compress: bool = False) -> list[tf.Tensor]:
+        out = super().all_reduce(tensors, op, compress)
         for r in out:
             self._marks.add(r)
         return out

@@ -192,8 +192,9 @@ class Backend(abc.ABC):
     def reduce(self, value: Any, op: str) -> Any: ...
 
     # In-replica collectives, on flat lists (the public functions handle nests).
-    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
-        """Floating-point sum/mean through fused buffers (``CommConfig``); the rest one collective per tensor."""
+    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str, compress: bool = False) -> list[tf.Tensor]:
+        """Floating-point sum/mean through fused buffers (``CommConfig``; in its compression dtype when
+        ``compress``: gradients only); the rest one collective per tensor."""
         check_op(op)
         self._on_collective("all_reduce", tensors, op)
         n = self.num_replicas
@@ -206,7 +207,7 @@ class Backend(abc.ABC):
 
             reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
                                           self.fusion_threshold_bytes, self.config.num_groups,
-                                          wire_dtype=WIRE_DTYPES[self.config.compression],
+                                          wire_dtype=WIRE_DTYPES[self.config.compression] if compress else None,
                                           prescale=1.0 / n if op == "mean" else None)
             for i, r in zip(floats, reduced, strict=True):
                 out[i] = r

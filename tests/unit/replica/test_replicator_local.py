@@ -128,19 +128,43 @@ def test_fusion_issues_one_collective_for_many_tensors(repl):
     assert repl.collective_calls - before == repl.num_replicas
 
 
-def test_bf16_and_fp16_compression_stay_within_their_precision():
+def test_bf16_and_fp16_compression_stay_within_their_precision_and_apply_only_when_asked():
     for compression, rtol in (("fp16", 2e-3), ("bf16", 1e-2)):
         r = hvrep.Replicator("local", config=hvrep.CommConfig(compression=compression))
         try:
             def step():
                 rid = tf.cast(hvrep.replica_id(), tf.float32)
-                x = tf.linspace(-3.0, 3.0, 50) * (rid + 1.0)
-                return hvrep.all_reduce(x, "mean")
+                x = (tf.linspace(-3.0, 3.0, 50) + 1e-3) * (rid + 1.0)
+                return hvrep.all_reduce(x, "mean", compress=True), hvrep.all_reduce(x, "mean")
 
-            got = r.reduce(r.run(step), "min")
-            np.testing.assert_allclose(got, np.linspace(-3, 3, 50) * 1.5, rtol=rtol, atol=rtol)
+            compressed, plain = (r.reduce(t, "min") for t in r.run(step))
+            want = (np.linspace(-3, 3, 50, dtype=np.float32) + np.float32(1e-3)) * np.float32(1.5)
+            np.testing.assert_allclose(compressed, want, rtol=rtol, atol=rtol)
+            assert not np.array_equal(compressed, want)  # rounded on the wire: compression applied
+            np.testing.assert_allclose(plain, want, rtol=1e-6)  # not asked: float32 on the wire
         finally:
             r.close()
+
+
+def test_fp16_compression_never_reaches_cross_replica_batch_norms_statistics():
+    # 64 x 32 x 32 positions per replica: a count of 65,536, past fp16's largest value (65,504). With the count
+    # compressed, the output was NaN.
+    x = np.random.default_rng(5).normal(1.0, 2.0, size=(2, 64, 32, 32, 2)).astype(np.float32)
+    outs = {}
+    for compression in ("none", "fp16"):
+        r = hvrep.Replicator("local", config=hvrep.CommConfig(compression=compression))
+        with r.scope():
+            crbn = hvrep.layers.CrossReplicaBatchNorm(momentum=0.5)
+            crbn.build((None, 32, 32, 2))
+        parts = r._backend.strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(x[ctx.replica_id_in_sync_group]))
+        out = r.run(lambda t, crbn=crbn: crbn(t, training=True), args=(parts,))
+        outs[compression] = np.concatenate([np.asarray(v) for v in r._backend.strategy.experimental_local_results(out)])
+        outs[compression + " moving_variance"] = crbn.moving_variance.numpy()
+        r.close()
+    assert np.isfinite(outs["fp16"]).all()
+    np.testing.assert_array_equal(outs["fp16"], outs["none"])
+    np.testing.assert_array_equal(outs["fp16 moving_variance"], outs["none moving_variance"])
 
 
 def test_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch(repl):
