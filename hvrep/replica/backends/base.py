@@ -136,8 +136,6 @@ class Backend(abc.ABC):
         self.config = config
         # Collectives issued, for tests and reports (counted when traced).
         self.collective_calls = 0
-        # Not thread-local: MirroredStrategy runs each replica's fn in its own thread.
-        self._run_depth = 0
         # How Keras' BatchNormalization layers train in a step ``run`` traces: "fused" or "keras"
         # (the Replicator sets it; see Replicator's batch_norm).
         self.batch_norm = "fused"
@@ -251,16 +249,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def replica_id(self) -> tf.Tensor | int: ...
 
-    # Whether the caller is inside `run` (collectives are only legal there).
-    @property
-    def in_replica(self) -> bool:
-        return self._run_depth > 0
-
     @contextlib.contextmanager
     def replica_section(self) -> Iterator[None]:
-        self._run_depth += 1
-        try:
-            with context.activated(self):
-                yield
-        finally:
-            self._run_depth -= 1
+        """This backend is the live one (what the module-level collectives act on) inside."""
+        with context.activated(self):
+            yield

@@ -293,3 +293,32 @@ def test_bound_methods_of_two_objects_are_two_steps(repl):
     a, b = Scaler(1.0), Scaler(5.0)
     assert float(repl.reduce(repl.run(a.step), "sum")) == 2.0
     assert float(repl.reduce(repl.run(b.step), "sum")) == 10.0
+
+
+def test_a_tensor_of_unknown_shape_is_reduced_unfused_beside_fused_ones(repl):
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def step_of(x):
+        return repl.run(lambda: hvrep.all_reduce([x * 2.0, tf.ones([3]), x], "sum"))
+
+    before = repl.collective_calls
+    dynamic, fixed, again = (repl.reduce(t, "min") for t in step_of(tf.constant([1.0, 2.0])))
+    np.testing.assert_array_equal(dynamic, [4.0, 8.0])
+    np.testing.assert_array_equal(again, [2.0, 4.0])
+    np.testing.assert_array_equal(fixed, [2.0, 2.0, 2.0])
+    # Per replica: one buffer for the fully known tensor, one collective for each tensor of unknown shape.
+    assert repl.collective_calls - before == 3 * repl.num_replicas
+
+
+def test_marks_of_reduced_values_do_not_keep_every_traced_step_alive(repl):
+    marks = repl._backend._marks
+    for i in range(6):
+        repl.run(lambda i=i: hvrep.all_reduce([tf.ones([2]) * i, tf.zeros([3])], "sum"))
+        assert len(marks) <= 2 * repl.num_replicas, len(marks)  # this step's, not every step's so far
+
+
+def test_backends_keep_no_run_depth():
+    # Never read, and its += raced across MirroredStrategy's replica threads.
+    from hvrep.replica.backends.base import Backend
+
+    assert not hasattr(Backend, "in_replica")
+    assert "_run_depth" not in vars(hvrep.Replicator("local")._backend)
