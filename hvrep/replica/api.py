@@ -52,7 +52,12 @@ class Replicator:
         no mask, renorm or ``synchronized``, Keras' own moments), Keras' own
         ops elsewhere. "keras": Keras' own ops everywhere. Steps outside
         ``run`` (``model.fit``, your own ``tf.function``) are Keras' own
-        either way; ``hvrep.layers.FusedBatchNormalization`` fuses there.
+        either way; ``hvrep.layers.FusedBatchNormalization`` fuses there. A
+        ``tf.function`` of your own first traced inside ``run`` keeps the
+        fused graph when called outside it (TensorFlow reuses the trace). On
+        a Keras outside the releases it was verified on
+        (``hvrep.compat.keras_versions``) "fused" keeps Keras' ops, with one
+        warning.
 
     Several Replicators may exist in one process (e.g. with different
     configs); the collectives act on the one whose ``run`` is executing.
