@@ -371,7 +371,9 @@ class HorovodBackend(Backend):
 
     def _on_collective(self, kind: str, tensors: Sequence[tf.Tensor], detail: str = "") -> None:
         if self._signature is not None:
-            desc = ",".join(f"{t.dtype.name}{t.shape.as_list()}" for t in tensors)
+            # (A tensor of unknown rank, which the fused all-reduce reduces unfused, shows as "[?]".)
+            desc = ",".join(f"{t.dtype.name}{t.shape.as_list() if t.shape.rank is not None else '[?]'}"
+                            for t in tensors)
             self._signature.append(f"{kind}({detail}){desc}")
 
     # --- collectives ----------------------------------------------------------------------
