@@ -19,8 +19,9 @@ from hvrep.errors import ConfigError
 HVREP_CACHE_DIR = "HVREP_CACHE_DIR"  # where built wheels are cached (default ~/.cache/hvrep)
 HVREP_KERNELS = "HVREP_KERNELS"  # "off": never load the fused kernels (hvrep.kernels); default "auto"
 HVREP_KERNELS_DIR = "HVREP_KERNELS_DIR"  # where kernels/build.py put them (default: hvrep/_lib)
-# The hang watchdog's side channel (hvrep.replica.watchdog): rank 0's TCP port (default 0: an ephemeral port)
-# and the address the other ranks dial (default: rank 0's interface addresses, tried in turn).
+# The hang watchdog's side channel (hvrep.replica.watchdog): rank 0's TCP port, or a range of ports to try in turn
+# ("29500-29599"; default 0: an ephemeral port), and the address it listens on and the other ranks dial (default:
+# 127.0.0.1 on a one-host job, else the address of the interface Horovod's transport uses).
 HVREP_WATCHDOG_PORT = "HVREP_WATCHDOG_PORT"
 HVREP_WATCHDOG_ADDR = "HVREP_WATCHDOG_ADDR"
 
@@ -146,20 +147,31 @@ def kernels_dir(default: Path) -> Path:
     return Path(os.environ.get(HVREP_KERNELS_DIR) or default)
 
 
-def watchdog_port() -> int:
-    """HVREP_WATCHDOG_PORT as an int; 0 (the kernel picks a free port) when unset."""
+def watchdog_ports() -> tuple[int, int]:
+    """HVREP_WATCHDOG_PORT as the first and last port to try: (0, 0) (the kernel picks a free port) when unset,
+    (p, p) for one port, (a, b) for a range "a-b"."""
     raw = os.environ.get(HVREP_WATCHDOG_PORT, "").strip()
     if not raw:
-        return 0
-    if not raw.isdigit() or int(raw) > 65535:
-        raise ConfigError(f"{HVREP_WATCHDOG_PORT} must be a TCP port number (0-65535), got {raw!r}. Fix: unset it "
-                          "for an ephemeral port, or export a port the firewall opens between the nodes.")
-    return int(raw)
+        return 0, 0
+    first, sep, last = raw.partition("-")
+    first, last = first.strip(), (last.strip() if sep else first.strip())
+    if not (first.isdigit() and last.isdigit() and int(first) <= int(last) <= 65535 and (int(first) > 0 or not sep)):
+        raise ConfigError(f"{HVREP_WATCHDOG_PORT} must be a TCP port (0-65535) or a range of them (29500-29599), got "
+                          f"{raw!r}. Fix: unset it for an ephemeral port, or export a port range the firewall opens "
+                          "between the nodes (a range lets several jobs share a node).")
+    return int(first), int(last)
 
 
 def watchdog_addr() -> str:
-    """HVREP_WATCHDOG_ADDR: the address of rank 0's host the other ranks dial, or "" (try its interfaces)."""
+    """HVREP_WATCHDOG_ADDR: the address rank 0's watchdog listens on and the other ranks dial, or "" (hvrep's
+    choice)."""
     return os.environ.get(HVREP_WATCHDOG_ADDR, "").strip()
+
+
+def transport_iface() -> str:
+    """The network interface(s) Horovod's transport was told to use: HOROVOD_GLOO_IFACE (horovodrun --gloo),
+    else Open MPI's OMPI_MCA_btl_tcp_if_include (names or CIDR ranges, comma-separated); "" when neither is set."""
+    return (os.environ.get(HOROVOD_GLOO_IFACE) or os.environ.get(OMPI_MCA_BTL_TCP_IF_INCLUDE) or "").strip()
 
 
 def cuda_visible_devices() -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class HvrepError(Exception):
     """Base class of every error hvrep raises on purpose."""
@@ -46,3 +48,44 @@ class CheckpointError(HvrepError):
 
 class KernelError(HvrepError):
     """A fused kernel was required (``use_kernel=True``) but cannot run; the message says why."""
+
+
+class WatchdogError(HvrepError):
+    """hvrep's hang watchdog cannot start: no port to listen on in the range, or an address it cannot bind."""
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    """One exit code an hvrep process leaves with, what it means and what ``slurm/preemptible.sbatch`` does.
+
+    Attributes:
+      code: the process's exit status.
+      name: a short name ("hang").
+      stopped: the ``stopped`` value of ``hvrep train``'s ``final`` event in ``metrics.jsonl``, or None when
+        none is written.
+      meaning: when a process exits with it.
+      requeue: whether ``slurm/preemptible.sbatch`` requeues the job on it (a transient failure) or not (one
+        that would fail the same way again).
+    """
+
+    code: int
+    name: str
+    stopped: str | None
+    meaning: str
+    requeue: bool
+
+
+# Every exit code hvrep uses, read from here by the watchdog, the README's "Exit codes" table and the tests
+# (tests/unit/replica/test_exit_codes.py checks the README and slurm/preemptible.sbatch against it).
+EXIT_OK = ExitCode(0, "ok", None, "the run ended normally (completed, max_steps, target_accuracy), or stopped "
+                   "cleanly on SIGTERM/SIGUSR1 with a checkpoint (final event stopped=\"signal\": requeued)", False)
+EXIT_ERROR = ExitCode(1, "error", None, "an uncaught Python error (under `python -m mpi4py`, MPI_Abort ends "
+                      "every rank with it); horovodrun also exits 1 whenever a rank exits non-zero", False)
+EXIT_USAGE = ExitCode(2, "usage", None, "`hvrep train` refused its configuration or data with a typed hvrep "
+                      "error (the message says the fix), or argparse refused its flags", False)
+EXIT_MISMATCH = ExitCode(65, "mismatch", "mismatch", "hvrep's watchdog: the ranks wait in different collectives "
+                         "(uneven input_fn, a collective on some ranks only); deterministic, so it would happen "
+                         "again (EX_DATAERR)", False)
+EXIT_HANG = ExitCode(75, "hang", "timeout", "hvrep's watchdog: a collective waited past comm.timeout_s (a rank "
+                     "stopped, dead, or stuck elsewhere); transient (EX_TEMPFAIL)", True)
+EXIT_CODES: tuple[ExitCode, ...] = (EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH, EXIT_HANG)
