@@ -124,10 +124,13 @@ class Replicator:
         return self._backend.collective_calls
 
     def close(self) -> None:
-        """Kept for symmetry with context-managed resources; a Replicator holds nothing to release.
+        """Releases what this Replicator holds: its compiled steps and, on horovod, its use of the hang
+        watchdog (the last Replicator of the process to close stops it, and rank 0's port closes).
 
-        (Horovod stays initialised for the process, as Horovod requires.)
+        Horovod stays initialised for the process, as Horovod requires. Collectives of this Replicator after
+        ``close`` still work, unwatched once the watchdog has stopped.
         """
+        self._backend.close()
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Variables created inside start identical on every replica (broadcast from the chief)."""

@@ -5,77 +5,127 @@ stops Horovod's own per-cycle coordination, so the inspector never gets to
 run. The watchdog is a thread per rank with an out-of-band heartbeat that does
 not go through Horovod:
 
-* rank 0 hosts a small TCP server; its address is broadcast once at start-up
-  (one Horovod broadcast, when the backend starts);
+* what it watches: every Horovod collective hvrep issues, through one
+  mechanism, :class:`Watched`: the horovod backend holds Horovod's module
+  wrapped in it, so each collective function (``allreduce``, ``allgather``,
+  ``broadcast`` ...) marks itself, eagerly around the call, and in a traced
+  step (``run``, Keras' ``fit`` calling ``Replicator.all_reduce``, any
+  ``tf.function``) with a marker op before and after the collective's op, so
+  the mark follows the op as it executes, not as it is traced;
+* rank 0 hosts a small TCP server; its address and a random per-job secret
+  travel once at start-up, in one Horovod broadcast (the secret never
+  crosses the network otherwise, as in Horovod's own runner);
 * every rank keeps one connection to it and sends a line every ``interval``
-  seconds saying what it is doing (its collective call number, which call,
-  since when; the step the training loop noted); the server answers each
-  line with "ok" or with the verdict. That is O(ranks) small messages per
-  interval, all at rank 0 (512 ranks at one line a second each is nothing),
-  never O(ranks^2);
-* the server decides: a rank that has waited in a collective call for more
-  than ``timeout_s`` ends the job, with one report naming the ranks that did
-  not join (no heartbeat: stopped, dead, or hung holding Python's GIL; or
-  busy elsewhere, with what each was doing). Two ranks whose collective call
-  number N is a different call (``run`` of one step on one rank, ``reduce``
-  on the other) can never meet: that is reported at once, without waiting
-  for the timeout (uneven input across ranks ends this way);
+  seconds saying what it is doing (the collectives it is inside, since when;
+  the step the training loop noted); the server answers each line with "ok"
+  or the verdict. O(ranks) small messages per interval, all at rank 0, never
+  O(ranks^2). Every line both ways carries an HMAC-SHA256 of the secret, the
+  connection's nonce, its direction and its sequence number: a line without
+  a valid one is dropped, with its connection, and only counted. Nothing an
+  unauthenticated peer sends is acted on, printed or recorded;
+* the server decides: a rank that has waited in a collective for more than
+  ``timeout_s`` ends the job (exit 75, ``hvrep.errors.EXIT_HANG``) with one
+  report naming the ranks that did not join (no heartbeat: stopped, dead, or
+  hung holding Python's GIL; or busy elsewhere, with what each was doing).
+  Ranks that wait in collectives none of the others wait in can never meet:
+  that is reported without waiting for the timeout and exits 65
+  (``EXIT_MISMATCH``: uneven input across ranks ends this way, and would
+  again, so Slurm does not requeue it);
 * every rank that hears the verdict prints it (rank 0 the whole report, the
-  others its first line) and leaves with ``os._exit(EXIT_CODE)``: Horovod's
-  threads are blocked in the collective and would keep a clean exit waiting.
-  A rank that cannot reach rank 0 (rank 0 stopped or dead) decides alone
-  once its own call has waited ``timeout_s`` plus a grace period.
+  others its first line) and leaves with ``os._exit``: Horovod's threads are
+  blocked in the collective and would keep a clean exit waiting. A rank that
+  cannot reach rank 0 (rank 0 stopped or dead) decides alone once its own
+  collective has waited ``timeout_s`` plus a grace period.
 
 The training step that timed out never returns, so nothing after it runs: no
 checkpoint is written from it, and the last complete checkpoint stays the
 newest (checkpoints are written to a temporary folder and renamed).
 
-Port: rank 0 listens on an ephemeral port (chosen by the kernel), on every
-interface, as Gloo and Open MPI's TCP transport already do between the
-job's nodes; ``HVREP_WATCHDOG_PORT`` fixes the port (a firewall that opens a
-range) and ``HVREP_WATCHDOG_ADDR`` the address the other ranks dial (by
-default they try rank 0's interface addresses in turn, loopback first on its
-own host).
+Where rank 0 listens: ``HVREP_WATCHDOG_ADDR`` if set; 127.0.0.1 on a one-host
+job; otherwise the address of the interface Horovod's transport uses
+(``HOROVOD_GLOO_IFACE``, Open MPI's ``btl_tcp_if_include``), or the host
+name's address. Every rank, rank 0's neighbours too, dials that address.
+``HVREP_WATCHDOG_PORT`` is one port or a range tried in turn (``29500-29599``:
+a second job on the node takes the next port); unset, an ephemeral port. A
+peer that floods the port can at worst keep heartbeats from arriving, which
+ends nothing by itself: only a rank seen waiting in a collective does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import hmac
+import ipaddress
+import itertools
 import json
 import os
+import secrets
+import selectors
 import socket
-import socketserver
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvrep import _env
+import tensorflow as tf
 
-# What a rank exits with when the watchdog ends the job: EX_TEMPFAIL ("try again later"), which
-# slurm/preemptible.sbatch requeues on. Distinct from 1 (a Python error) and 2 (hvrep train's usage errors).
-EXIT_CODE = 75
+from hvrep import _env
+from hvrep.errors import EXIT_CODES, EXIT_HANG, EXIT_MISMATCH, ExitCode, WatchdogError
+
+# One message, either way: a heartbeat is under 2 KiB, an answer carries at most the verdict's first line.
+MAX_LINE = 64 * 1024
+# Connections that have not sent a valid line yet; beyond this the oldest is dropped, so a flood cannot lock
+# the ranks out for longer than it takes them to say one line.
+MAX_UNAUTHENTICATED = 64
+# Seconds a new connection has to send its first valid line.
+AUTH_S = 5.0
+# Seconds the on_end callbacks (hvrep train's final event: a checkpoint lookup and a metrics.jsonl line) may take
+# before the rank exits anyway: a hung file system must not keep a hung job alive.
+END_WORK_S = 10.0
+# At most this many labels of the collectives a rank is inside travel in a heartbeat.
+_WAITING_SHOWN = 16
 
 
 def _now() -> float:
     return time.monotonic()
 
 
-@dataclass
 class Activity:
-    """What this rank is doing, updated by the backend (cheap: attribute writes, no lock, no I/O)."""
+    """What this rank is doing: the collectives it is inside, entered and left from TensorFlow's threads (a
+    counter and single dict operations, atomic under the GIL: no lock, no I/O)."""
 
-    call: int = 0  # collective calls entered so far (run, reduce, broadcast at start-up)
-    what: str = "starting"  # the current or last call
-    inside: bool = False  # inside a collective call now
-    since: float = field(default_factory=_now)
-    step: str = ""  # the step the training loop noted, if any
+    def __init__(self) -> None:
+        self._calls = itertools.count(1)
+        self.pending: dict[int, tuple[str, float]] = {}  # call number -> (label, monotonic time entered)
+        self.last: tuple[int, str] = (0, "starting")  # the last collective that completed
+        self.since = _now()  # when it completed
+        self.step = ""  # the step the training loop noted, if any
+
+    def enter(self, what: str) -> int:
+        call = next(self._calls)
+        self.pending[call] = (what, _now())
+        return call
+
+    def leave(self, call: int) -> None:
+        entry = self.pending.pop(call, None)
+        if entry is not None:
+            self.last, self.since = (call, entry[0]), _now()
 
     def snapshot(self) -> dict[str, Any]:
-        return {"call": self.call, "what": self.what, "in": self.inside, "age": round(_now() - self.since, 2),
-                "step": self.step}
+        pending = self.pending.copy()
+        now = _now()
+        if pending:
+            call = min(pending)
+            what, entered = pending[call]
+            labels = sorted({w for w, _ in pending.values()})
+            return {"call": call, "what": what, "in": True, "age": round(now - entered, 2), "step": self.step,
+                    "waiting": labels[:_WAITING_SHOWN], "more": len(labels) > _WAITING_SHOWN}
+        call, what = self.last
+        return {"call": call, "what": what, "in": False, "age": round(now - self.since, 2), "step": self.step}
 
 
 def describe(rank: int, state: dict[str, Any], heard_ago: float) -> str:
@@ -87,49 +137,63 @@ def describe(rank: int, state: dict[str, Any], heard_ago: float) -> str:
             f"{state['age'] + heard_ago:.0f} s; last heartbeat {heard_ago:.0f} s ago")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What ends the job: its exit code (``hvrep.errors.EXIT_HANG`` or ``EXIT_MISMATCH``) and the report."""
+
+    exit: ExitCode
+    report: str
+
+
 def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_s: float, stale_s: float,
-            now: float, gone: dict[int, str] | None = None) -> str | None:
-    """The report that ends the job, or None while nothing is stuck. Pure: tested without processes.
+            now: float, gone: dict[int, str] | None = None, rejected: int = 0) -> Verdict | None:
+    """The verdict that ends the job, or None while nothing is stuck. Pure: tested without processes.
 
     Args:
       states: rank -> (monotonic time its last heartbeat arrived, its snapshot).
       size: ranks in the job.
-      timeout_s: how long a rank may wait inside one collective call.
+      timeout_s: how long a rank may wait inside one collective.
       stale_s: a rank not heard from for this long is not heartbeating (stopped, dead, or holding the GIL).
       now: the current monotonic time.
       gone: rank -> why its connection ended, for ranks that disconnected.
+      rejected: lines and connections the server dropped for not authenticating (a count; never their content).
     """
     gone = gone or {}
     heard = {r: now - t for r, (t, _) in states.items()}
     live = {r: s for r, (t, s) in states.items() if heard[r] < stale_s and r not in gone}
     waiting = {r: s for r, s in live.items() if s["in"]}
-    # Same call number, different call, both waiting longer than a call takes: these ranks can never meet in
-    # that collective. (For a moment, two ranks may legitimately be in different calls, e.g. one still inside a
-    # step whose collectives have completed while the other has moved on.)
-    by_call: dict[int, dict[str, list[int]]] = {}
+    # Ranks that have each waited longer than a collective takes, in collectives none of the others is inside,
+    # can never meet. (For a moment two ranks may legitimately be in different ones: one still inside a
+    # collective that has completed elsewhere, the other already in the next.) A rank inside more collectives
+    # than its heartbeat lists is left to the timeout.
     settled = min(timeout_s, stale_s)
-    for r, s in waiting.items():
-        if s["age"] + heard[r] < settled:
-            continue
-        by_call.setdefault(s["call"], {}).setdefault(s["what"], []).append(r)
-    mismatch = next(((c, calls) for c, calls in sorted(by_call.items()) if len(calls) > 1), None)
+    calm = {r: s for r, s in waiting.items() if s["age"] + heard[r] >= settled and not s.get("more")}
+    inside = {r: frozenset(s.get("waiting") or [s["what"]]) for r, s in calm.items()}
+    apart = any(not inside[a] & inside[b] for a, b in itertools.combinations(sorted(inside), 2))
     stuck = {r: s for r, s in waiting.items() if s["age"] + heard[r] > timeout_s}
-    if mismatch is None and not stuck:
+    if not apart and not stuck:
         return None
     lines = []
-    if mismatch is not None:
-        call, calls = mismatch
-        listing = "; ".join(f"rank(s) {', '.join(map(str, rs))} in {what}" for what, rs in sorted(calls.items()))
+    if apart:
+        call = min(s["call"] for s in calm.values())
+        groups: dict[str, list[int]] = {}
+        for r in sorted(calm):
+            groups.setdefault(calm[r]["what"], []).append(r)
+        listing = "; ".join(f"rank(s) {', '.join(map(str, rs))} in {what}" for what, rs in groups.items())
         lines.append(f"hvrep: the ranks are in different collectives at call #{call} ({listing}): they can never "
                      "meet, and the job would hang. Typical cause: input_fn yields different numbers of batches "
-                     "on different ranks, or a collective (repl.reduce, repl.run) called on some ranks only.")
+                     "on different ranks, or a collective (repl.reduce, repl.run) called on some ranks only. "
+                     f"Exiting every rank with code {EXIT_MISMATCH.code}.")
         fix = ("Fix: make every rank run the same steps and reduces in the same order: equal batch counts per "
                "rank (shard with ctx.shard, drop_remainder=True, or repeat() and a fixed number of steps).")
+        exit = EXIT_MISMATCH
     else:
         first = min(stuck, key=lambda r: stuck[r]["call"])
         s = stuck[first]
+        ours = set(s.get("waiting") or [s["what"]])
         missing = sorted(r for r in range(size)
-                         if r not in live or not (live[r]["in"] and live[r]["call"] == s["call"]))
+                         if r not in live or not (live[r]["in"] and ours & set(live[r].get("waiting")
+                                                                                or [live[r]["what"]])))
         step = f" ({s['step']})" if s.get("step") else ""
         lines.append(f"hvrep: collective call #{s['call']} {s['what']}{step} has not completed within "
                      f"comm.timeout_s={timeout_s:g} s: rank(s) {', '.join(map(str, missing)) or '(none found)'} did "
@@ -137,6 +201,7 @@ def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_
         fix = ("Fix: see README, 'When things go wrong'. A rank without heartbeat is stopped, dead, or blocked "
                "holding Python's GIL (attach `py-spy dump --pid PID` to it); a rank busy elsewhere names what it "
                "was doing. Raise comm.timeout_s if a step or checkpoint legitimately takes longer.")
+        exit = EXIT_HANG
     for r in range(size):
         if r in gone:
             lines.append(f"  rank {r}: {gone[r]}")
@@ -145,13 +210,303 @@ def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_
         else:
             tag = "" if r in live else "  <- NO HEARTBEAT"
             lines.append("  " + describe(r, states[r][1], heard[r]) + tag)
+    if rejected:
+        lines.append(f"  (the watchdog dropped {rejected} line(s) or connection(s) that did not authenticate)")
     lines.append(fix)
-    return "\n".join(lines)
+    return Verdict(exit, "\n".join(lines))
 
 
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+# --- the wire: HMAC-signed lines -------------------------------------------------------------------
+
+def _sign(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:
+    """The hex HMAC-SHA256 of one line: its direction (b"hello", b"c" rank to server, b"s" server to rank), the
+    connection's nonce and the body (whose JSON carries the sequence number)."""
+    return hmac.new(secret, b"|".join((direction, nonce, body)), hashlib.sha256).hexdigest().encode()
+
+
+def _line(secret: bytes, direction: bytes, nonce: bytes, body: bytes) -> bytes:
+    return _sign(secret, direction, nonce, body) + b" " + body + b"\n"
+
+
+def _open(secret: bytes, direction: bytes, nonce: bytes, line: bytes) -> bytes | None:
+    """The body of a line whose MAC is valid, else None."""
+    mac, _, body = line.rstrip(b"\n").partition(b" ")
+    return body if hmac.compare_digest(mac, _sign(secret, direction, nonce, body)) else None
+
+
+_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "rank": int, "seq": int, "call": int, "what": str, "in": bool, "age": (int, float), "step": str, "host": str,
+    "pid": int}
+
+
+def _heartbeat_state(body: bytes, size: int) -> dict[str, Any]:
+    """An authenticated heartbeat's fields, checked (a bug on a rank must not crash rank 0's server)."""
+    state = json.loads(body)
+    if not isinstance(state, dict):
+        raise ValueError("not an object")
+    for key, kind in _STATE_TYPES.items():
+        if not isinstance(state.get(key), kind):
+            raise ValueError(key)
+    if not 0 <= state["rank"] < size:
+        raise ValueError("rank")
+    waiting = state.get("waiting", [])
+    if not isinstance(waiting, list) or not all(isinstance(w, str) for w in waiting):
+        raise ValueError("waiting")
+    return state
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    nonce: bytes
+    deadline: float  # an unauthenticated connection is dropped after this (monotonic)
+    rank: int | None = None
+    seq: int = 0
+    buf: bytearray = field(default_factory=bytearray)  # received, not yet a whole line
+    out: bytearray = field(default_factory=bytearray)  # to send
+
+
+class _Server:
+    """Rank 0's listener: one thread, non-blocking sockets, bounded lines and connections. Only lines that carry
+    the job's HMAC have any effect; any other line, an over-long one, or silence past ``AUTH_S`` drops the
+    connection and is counted (``rejected``), nothing more."""
+
+    def __init__(self, watchdog: Watchdog, host: str, ports: tuple[int, int]) -> None:
+        self._dog = watchdog
+        self._listener = _bind(host, ports)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._by_rank: dict[int, _Conn] = {}
+        self.rejected = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hvrep-watchdog-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, mask in self._sel.select(timeout=0.25):
+                    if key.data is None:
+                        self._accept()
+                        continue
+                    conn = key.data
+                    if mask & selectors.EVENT_READ:
+                        self._read(conn)
+                    if mask & selectors.EVENT_WRITE and conn.sock in self._conns:
+                        self._flush(conn)
+                now = _now()
+                for conn in [c for c in self._conns.values() if c.rank is None and c.deadline < now]:
+                    self._drop(conn, rejected=True)
+        finally:
+            for conn in list(self._conns.values()):
+                self._drop(conn)
+            self._sel.close()
+            self._listener.close()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        waiting = [c for c in self._conns.values() if c.rank is None]
+        if len(waiting) >= MAX_UNAUTHENTICATED:
+            self._drop(min(waiting, key=lambda c: c.deadline), rejected=True)
+        nonce = secrets.token_hex(16).encode()
+        conn = _Conn(sock, nonce, _now() + AUTH_S)
+        self._conns[sock] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        conn.out += _line(self._dog.secret, b"hello", nonce, nonce)
+        self._flush(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(MAX_LINE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        conn.buf += data
+        while conn.sock in self._conns:
+            end = conn.buf.find(b"\n")
+            if end < 0:
+                if len(conn.buf) > MAX_LINE:
+                    self._drop(conn, rejected=True)
+                return
+            line = bytes(conn.buf[:end + 1])
+            del conn.buf[:end + 1]
+            self._message(conn, line)
+
+    def _message(self, conn: _Conn, line: bytes) -> None:
+        body = _open(self._dog.secret, b"c", conn.nonce, line) if len(line) <= MAX_LINE else None
+        try:
+            if body is None:
+                raise ValueError("no valid MAC")
+            state = _heartbeat_state(body, self._dog.size)
+            if state["seq"] != conn.seq + 1 or conn.rank not in (None, state["rank"]):
+                raise ValueError("out of sequence")
+        except (ValueError, UnicodeDecodeError):
+            self._drop(conn, rejected=True)
+            return
+        rank = conn.rank = state["rank"]
+        conn.seq = state["seq"]
+        previous = self._by_rank.get(rank)
+        if previous is not None and previous is not conn:
+            self._drop(previous, reconnected=True)
+        self._by_rank[rank] = conn
+        answer = self._dog._heard(rank, state)
+        body = json.dumps({"seq": conn.seq, "verdict": answer}).encode()
+        conn.out += _line(self._dog.secret, b"s", conn.nonce, body)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out) if conn.out else 0
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop(conn)
+            return
+        del conn.out[:sent]
+        if len(conn.out) > 4 * MAX_LINE:  # a peer that does not read its answers
+            self._drop(conn, rejected=conn.rank is None)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.modify(conn.sock, events, conn)
+
+    def _drop(self, conn: _Conn, rejected: bool = False, reconnected: bool = False) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        self.rejected += rejected
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
+            del self._by_rank[conn.rank]
+            if not reconnected and not self._stop.is_set():
+                self._dog._lost(conn.rank)
+
+
+def _bind(host: str, ports: tuple[int, int]) -> socket.socket:
+    """A listening socket on ``host`` at the first free port of ``ports`` (first, last)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    error: OSError | None = None
+    for port in range(ports[0], ports[1] + 1):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+            sock.setblocking(False)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    where = f"port {ports[0]}" if ports[0] == ports[1] else f"any port in {ports[0]}-{ports[1]}"
+    raise WatchdogError(
+        f"hvrep's watchdog cannot listen on {host} at {where} ({error}). Fix: export "
+        f"{_env.HVREP_WATCHDOG_PORT} as a range with free ports (29500-29599), or unset it for an ephemeral port; "
+        f"if {host} is not this host's address, export {_env.HVREP_WATCHDOG_ADDR} as one of rank 0's addresses.")
+
+
+def listen_address(single_host: bool, addr: str, iface: str, interfaces: Mapping[str, Sequence[str]],
+                   host_addr: str) -> str:
+    """Where rank 0's watchdog listens (and every rank dials). Pure: tested without a network.
+
+    Args:
+      single_host: every rank runs on rank 0's host.
+      addr: ``HVREP_WATCHDOG_ADDR`` ("" when unset): wins.
+      iface: the interfaces Horovod's transport uses (``_env.transport_iface``): names or CIDR ranges.
+      interfaces: this host's IPv4 addresses by interface name.
+      host_addr: the address this host's name resolves to ("" when it does not).
+    """
+    if addr:
+        return addr
+    if single_host:
+        return "127.0.0.1"
+    for name in filter(None, (n.strip() for n in iface.split(","))):
+        if "/" in name:
+            with contextlib.suppress(ValueError):
+                net = ipaddress.ip_network(name, strict=False)
+                found = [a for addrs in interfaces.values() for a in addrs if ipaddress.ip_address(a) in net]
+                if found:
+                    return found[0]
+        elif interfaces.get(name):
+            return interfaces[name][0]
+    if host_addr and not host_addr.startswith("127."):
+        return host_addr
+    others = sorted(a for addrs in interfaces.values() for a in addrs if not a.startswith("127."))
+    if others:
+        return others[0]
+    raise WatchdogError(f"hvrep's watchdog finds no address for the other hosts to reach rank 0 at (interfaces: "
+                        f"{dict(interfaces)}). Fix: export {_env.HVREP_WATCHDOG_ADDR} as rank 0's address on the "
+                        "network the ranks share.")
+
+
+def _interfaces() -> dict[str, list[str]]:
+    import psutil  # Horovod's own dependency
+
+    return {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def _host_addr() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+
+
+class _Link:
+    """One rank's authenticated connection to rank 0's server."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.secret, self.seq = secret, 0
+        self.reader = self.sock.makefile("rb")
+        hello = self.reader.readline(MAX_LINE)
+        nonce = hello.rstrip(b"\n").partition(b" ")[2]
+        if _open(secret, b"hello", nonce, hello) is None:
+            self.close()
+            raise _Unauthenticated("the server's hello")
+        self.nonce = nonce
+
+    def ask(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Sends one heartbeat; returns the server's verdict (None: "ok")."""
+        self.seq += 1
+        body = json.dumps({**state, "seq": self.seq}).encode()
+        self.sock.sendall(_line(self.secret, b"c", self.nonce, body))
+        line = self.reader.readline(MAX_LINE + 1)
+        if not line:
+            raise OSError("rank 0's watchdog closed the connection")
+        answer = _open(self.secret, b"s", self.nonce, line)
+        if answer is None:
+            raise _Unauthenticated("an answer")
+        reply = json.loads(answer)
+        if reply.get("seq") != self.seq:
+            raise _Unauthenticated("an answer out of sequence")
+        return reply.get("verdict")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.reader.close()
+            self.sock.close()
+
+
+class _Unauthenticated(OSError):
+    """A line from the other end without a valid MAC: the connection is dropped (and counted), nothing else."""
 
 
 class Watchdog:
@@ -160,175 +515,275 @@ class Watchdog:
     Args:
       rank, size: this process's place in the job.
       timeout_s: ``CommConfig.timeout_s`` (> 0).
-      exchange: sends rank 0's address (bytes) to every rank (a Horovod broadcast) and returns it.
+      exchange: sends rank 0's address and secret (bytes) to every rank (a Horovod broadcast) and returns them.
+      single_host: every rank runs on one host (rank 0 then listens on 127.0.0.1 only).
       interval: seconds between heartbeats; by default timeout_s / 10 clamped to [0.5, 5] s.
       exit_fn: how a rank leaves (``os._exit``; tests replace it).
+
+    Raises:
+      hvrep.errors.WatchdogError: rank 0 cannot listen (no free port in ``HVREP_WATCHDOG_PORT``'s range, an
+        ``HVREP_WATCHDOG_ADDR`` that is not its own).
     """
 
     def __init__(self, rank: int, size: int, timeout_s: float, exchange: Callable[[bytes], bytes], *,
-                 interval: float | None = None, exit_fn: Callable[[int], None] = os._exit) -> None:
+                 single_host: bool = True, interval: float | None = None,
+                 exit_fn: Callable[[int], None] = os._exit) -> None:
         self.rank, self.size, self.timeout_s = rank, size, float(timeout_s)
         self.interval = interval or min(5.0, max(0.5, self.timeout_s / 10))
         # Not heard from for 3 heartbeats (and at least 5 s): not heartbeating.
         self.stale_s = max(3 * self.interval, 5.0)
         self.activity = Activity()
+        self.rejected = 0  # answers from "rank 0" that did not authenticate (the server counts its own)
         self._exit_fn = exit_fn
-        self._callbacks: list[Callable[[str], None]] = []
+        self._callbacks: list[Callable[[str, str], None]] = []
         self._states: dict[int, tuple[float, dict[str, Any]]] = {}
         self._gone: dict[int, str] = {}
-        self._verdict: str | None = None
+        self._verdict: Verdict | None = None
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._ended = False
         self._server: _Server | None = None
+        self.secret = b""
         if rank == 0:
-            self._server = self._serve()
-            port = self._server.server_address[1]
-            address = f"{_env.watchdog_addr() or ','.join(_addresses())}|{socket.gethostname()}|{port}"
+            self.secret = secrets.token_bytes(32)  # as Horovod's runner makes its job secret
+            host = listen_address(single_host, _env.watchdog_addr(), _env.transport_iface(), _interfaces(),
+                                  _host_addr() if not single_host else "")
+            self._server = _Server(self, host, _env.watchdog_ports())
+            address = f"{host}|{self._server.address[1]}|{self.secret.hex()}"
         else:
             address = ""
-        self._address = exchange(address.encode()).decode()
-        threading.Thread(target=self._heartbeat, name="hvrep-watchdog", daemon=True).start()
+        # Hex: the exchange pads with zero bytes and strips them, which would eat a binary secret's.
+        host, port, key = exchange(address.encode()).decode().split("|")
+        self.address = (host, int(port))
+        self.secret = bytes.fromhex(key)
+        self._link: _Link | None = None
+        try:
+            self._link = _Link(host, int(port), self.secret, self._io_timeout)
+        except OSError as e:
+            # Hang detection on this rank now rests on its own timeout alone; say so where it starts.
+            print(f"hvrep: warning: rank {rank} on {socket.gethostname()} cannot reach hvrep's watchdog on rank 0 at "
+                  f"{host}:{port} ({e}); a hang will end this rank only after comm.timeout_s plus a grace period, "
+                  f"and rank 0's report will say it never connected. Fix: export {_env.HVREP_WATCHDOG_ADDR} as an "
+                  f"address of rank 0's host that this host can reach, and open the port "
+                  f"({_env.HVREP_WATCHDOG_PORT}=29500-29599 fixes a range for a firewall).", file=sys.stderr,
+                  flush=True)
+        self._threads = [threading.Thread(target=self._heartbeat, name="hvrep-watchdog", daemon=True)]
         if rank == 0:
-            threading.Thread(target=self._judge, name="hvrep-watchdog-judge", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._judge, name="hvrep-watchdog-judge", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    @property
+    def _io_timeout(self) -> float:
+        return max(2.0, self.interval * 2)
 
     # --- what the backend and the loop record ------------------------------------------------
 
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
-        """Marks a collective call (``run`` of a step, an eager ``reduce``) from entry to return."""
-        a = self.activity
-        a.call += 1
-        a.what, a.inside, a.since = what, True, _now()
+        """Marks one collective, eagerly, from entry to return (``Watched`` does this for every Horovod call)."""
+        call = self.activity.enter(what)
         try:
             yield
         finally:
-            a.inside, a.since = False, _now()
+            self.activity.leave(call)
 
     def note_step(self, step: str) -> None:
         """The training loop's own label for what comes next (e.g. "train step 58"); shows in the report."""
         self.activity.step = step
 
-    def on_timeout(self, callback: Callable[[str], None]) -> None:
-        """``callback(report)`` runs on this rank before it exits (e.g. hvrep train's ``final`` event)."""
+    def on_end(self, callback: Callable[[str, str], None]) -> None:
+        """``callback(stopped, report)`` runs on this rank before the watchdog ends it: ``stopped`` is the exit
+        code's ``stopped`` value ("timeout", "mismatch"). It gets ``END_WORK_S`` seconds, then the rank exits."""
         self._callbacks.append(callback)
 
+    @property
+    def rejected_total(self) -> int:
+        """Lines and connections that did not authenticate, at this rank's end of the wire (and rank 0's server)."""
+        return self.rejected + (self._server.rejected if self._server is not None else 0)
+
     def close(self) -> None:
-        """Stops acting (the job ended normally); the threads are daemons and end with the process."""
+        """Stops the watchdog: the heartbeat, the judge and rank 0's server (its port is free again)."""
         self._ended = True
+        self._stop.set()
+        if self._server is not None:
+            self._server.close()
+        if self._link is not None:
+            self._link.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=self._io_timeout + 1)
 
-    # --- rank 0: the server ---------------------------------------------------------------
+    # --- rank 0: what the server hears, and the judge -------------------------------------------
 
-    def _serve(self) -> _Server:
-        watchdog = self
+    def _heard(self, rank: int, state: dict[str, Any]) -> dict[str, str] | None:
+        """Records an authenticated heartbeat; returns the answer (the verdict's exit name and first line)."""
+        with self._lock:
+            self._states[rank] = (_now(), state)
+            self._gone.pop(rank, None)
+            v = self._verdict
+        return None if v is None else {"exit": v.exit.name, "report": v.report.split("\n", 1)[0]}
 
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                rank = None
-                for line in self.rfile:
-                    try:
-                        state = json.loads(line)
-                        rank = int(state["rank"])
-                        if not 0 <= rank < watchdog.size:
-                            raise ValueError(rank)
-                    except (ValueError, KeyError, TypeError):
-                        return  # not one of the job's ranks (a port scanner, a stray client): hang up quietly
-                    with watchdog._lock:
-                        watchdog._states[rank] = (_now(), state)
-                        watchdog._gone.pop(rank, None)
-                        answer = watchdog._verdict
-                    self.wfile.write((json.dumps({"verdict": answer}) + "\n").encode())
-                if rank is not None and not watchdog._ended:
-                    with watchdog._lock:
-                        state = watchdog._states.get(rank, (0.0, {}))[1]
-                        watchdog._gone[rank] = (f"its process ended or its connection closed, after collective "
-                                                f"call #{state.get('call', '?')} {state.get('what', '')}")
-
-        server = _Server(("", _env.watchdog_port()), Handler)
-        threading.Thread(target=server.serve_forever, name="hvrep-watchdog-server", daemon=True).start()
-        return server
+    def _lost(self, rank: int) -> None:
+        if self._ended:
+            return
+        with self._lock:
+            state = self._states.get(rank, (0.0, {}))[1]
+            self._gone[rank] = (f"its process ended or its connection closed, after collective call "
+                                f"#{state.get('call', '?')} {state.get('what', '')}")
 
     def _judge(self) -> None:
-        while not self._ended:
-            time.sleep(self.interval / 2)
+        while not self._stop.wait(self.interval / 2):
             with self._lock:
-                if self._verdict is None and not self._ended:
+                if self._verdict is None:
                     self._verdict = verdict(self._states, self.size, self.timeout_s, self.stale_s, _now(),
-                                            self._gone)
+                                            self._gone, self.rejected_total)
+                found = self._verdict
+            if found is not None:
+                self._end(found.exit, found.report)
+                return
 
     # --- every rank: the heartbeat ----------------------------------------------------------
 
-    def _connect(self) -> socket.socket | None:
-        hosts, host, port = self._address.split("|")
-        candidates = hosts.split(",")
-        if host == socket.gethostname() and not _env.watchdog_addr():
-            candidates.insert(0, "127.0.0.1")
-        for addr in candidates:
-            with contextlib.suppress(OSError):
-                return socket.create_connection((addr, int(port)), timeout=max(2.0, self.interval * 2))
-        return None
-
     def _heartbeat(self) -> None:
-        sock, reader, last_answer = None, None, _now()
         me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
+        last_answer = _now()
         while not self._ended:
             try:
-                if sock is None:
-                    sock = self._connect()
-                    reader = sock.makefile("rb") if sock is not None else None
-                if sock is not None and reader is not None:
-                    sock.sendall((json.dumps({**me, **self.activity.snapshot()}) + "\n").encode())
-                    line = reader.readline()
-                    if not line:
-                        raise OSError("rank 0's watchdog closed the connection")
-                    last_answer = _now()
-                    answer = json.loads(line)["verdict"]
-                    if answer and not self._ended:
-                        self._end(answer)
-            except (OSError, ValueError):
-                with contextlib.suppress(OSError):
-                    if sock is not None:
-                        sock.close()
-                sock = reader = None
-            a = self.activity
-            waited = _now() - a.since
-            if a.inside and waited > self.timeout_s + 2 * self.stale_s and not self._ended:
+                if self._link is None:
+                    self._link = _Link(*self.address, self.secret, self._io_timeout)
+                answer = self._link.ask({**me, **self.activity.snapshot()})
+                last_answer = _now()
+                if answer and not self._ended:
+                    found = next((e for e in EXIT_CODES if e.name == answer.get("exit")), EXIT_HANG)
+                    self._end(found, str(answer.get("report", "")))
+            except (OSError, ValueError) as e:
+                self.rejected += isinstance(e, _Unauthenticated)
+                if self._link is not None:
+                    self._link.close()
+                self._link = None
+            a = self.activity.snapshot()
+            if a["in"] and a["age"] > self.timeout_s + 2 * self.stale_s and not self._ended:
                 # Rank 0 did not decide: it is stopped, dead or unreachable. Decide alone.
-                self._end(
-                    f"hvrep: rank {self.rank}: collective call #{a.call} {a.what}"
-                    f"{f' ({a.step})' if a.step else ''} has not completed within comm.timeout_s="
-                    f"{self.timeout_s:g} s, and rank 0, which hosts hvrep's watchdog, has not answered for "
-                    f"{_now() - last_answer:.0f} s: rank 0 is stopped, dead, hung holding Python's GIL, or its "
-                    "host is unreachable. Exiting; the last complete checkpoint is kept. Fix: see README, "
-                    "'When things go wrong'.")
-            time.sleep(self.interval)
+                step = f" ({a['step']})" if a["step"] else ""
+                self._end(EXIT_HANG,
+                          f"hvrep: rank {self.rank}: collective call #{a['call']} {a['what']}{step} has not completed "
+                          f"within comm.timeout_s={self.timeout_s:g} s, and rank 0, which hosts hvrep's watchdog, has "
+                          f"not answered for {_now() - last_answer:.0f} s: rank 0 is stopped, dead, hung holding "
+                          "Python's GIL, or its host is unreachable. Exiting; the last complete checkpoint is kept. "
+                          "Fix: see README, 'When things go wrong'.")
+            if self._stop.wait(self.interval):
+                return
 
-    def _end(self, report: str) -> None:
-        """Prints the report (rank 0 all of it, the others its first line), runs the callbacks, exits."""
-        self._ended = True
-        text = report if self.rank == 0 or not report.startswith("hvrep: ") or "\n" not in report \
+    def _end(self, exit: ExitCode, report: str) -> None:
+        """Prints the report (rank 0 all of it, the others its first line), runs the callbacks for at most
+        ``END_WORK_S`` seconds, exits with ``exit.code``."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        text = report if self.rank == 0 or not report.startswith("hvrep: ") \
             else report.split("\n", 1)[0] + f" (rank {self.rank}; rank 0 prints every rank's state)"
         print(text, file=sys.stderr, flush=True)
-        for callback in self._callbacks:
-            with contextlib.suppress(Exception):
-                callback(report)
+        work = threading.Thread(target=self._run_callbacks, args=(exit.stopped or exit.name, report),
+                                name="hvrep-watchdog-end", daemon=True)
+        work.start()
+        work.join(END_WORK_S)
+        if work.is_alive():
+            print(f"hvrep: rank {self.rank}: the watchdog's last words (metrics.jsonl, the checkpoint lookup) did not "
+                  f"finish within {END_WORK_S:g} s (a hung file system?); exiting without them.", file=sys.stderr,
+                  flush=True)
         if self.rank == 0 and self._server is not None:
             # Rank 0 answers the others' next heartbeats with the verdict before leaving.
             time.sleep(min(2 * self.interval, 5.0))
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        self._exit_fn(EXIT_CODE)
+        self._stop.set()
+        self._exit_fn(exit.code)
+
+    def _run_callbacks(self, stopped: str, report: str) -> None:
+        for callback in self._callbacks:
+            with contextlib.suppress(Exception):
+                callback(stopped, report)
 
 
-def _addresses() -> list[str]:
-    """This host's IPv4 addresses, loopback last: where the other ranks may reach rank 0."""
-    import psutil  # Horovod's own dependency
+# --- the one mechanism that watches every collective ----------------------------------------------
 
-    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
-    return sorted(set(found), key=lambda a: (a.startswith("127."), a))[:8] or ["127.0.0.1"]
+# Horovod's collective functions (horovod.tensorflow): each is watched when called through `Watched`.
+HOROVOD_COLLECTIVES = frozenset({
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
+    "alltoall", "reducescatter", "grouped_reducescatter", "barrier", "join", "broadcast_object",
+    "allgather_object", "broadcast_variables"})
 
 
-# The watchdog of this process (one per process, like Horovod), or None.
+class Watched:
+    """Horovod's module, each collective function of which marks itself for this process's watchdog.
+
+    The horovod backend holds Horovod through this, so every collective hvrep
+    issues is watched wherever it runs: eagerly, around the call; in a traced
+    step, by a marker op that runs before the collective's op and one that
+    runs once its result exists (``tf.py_function``: about 50 us each, a few
+    per step). A graph traced while no watchdog runs gets no markers; one
+    traced with markers finds the current watchdog when it executes. Other
+    attributes are Horovod's own.
+
+    Args:
+      module: ``horovod.tensorflow``.
+      context: what the caller is doing (e.g. "run(step_fn)"), asked when a collective is issued (traced or
+        eager); the label it makes must be the same on every rank for the same collective.
+    """
+
+    def __init__(self, module: Any, context: Callable[[], str]) -> None:
+        self._module, self._context = module, context
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if name in HOROVOD_COLLECTIVES and callable(value):
+            return functools.partial(_watched_call, name, value, self._context)
+        return value
+
+
+def _signature(value: Any) -> str:
+    flat = tf.nest.flatten(value) if value is not None else []
+    parts = [f"{t.dtype.name}{t.shape.as_list()}" for t in flat[:4] if hasattr(t, "dtype") and hasattr(t, "shape")]
+    return ",".join(parts) + (f",+{len(flat) - 4}" if len(flat) > 4 else "")
+
+
+def _watched_call(op: str, fn: Callable[..., Any], context: Callable[[], str], /, *args: Any, **kwargs: Any) -> Any:
+    # Positional-only: Horovod's own functions take `name=`.
+    dog = _CURRENT
+    if dog is None:
+        return fn(*args, **kwargs)
+    label = f"{context()}: {op} {_signature(args[0] if args else None)}".rstrip()
+    if tf.executing_eagerly():
+        with dog.collective(label):
+            return fn(*args, **kwargs)
+    entered = tf.py_function(functools.partial(_enter, label), [], tf.int64, name="hvrep_watchdog_enter")
+    with tf.control_dependencies([entered]):
+        out = fn(*args, **kwargs)
+    with tf.control_dependencies([t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor | tf.Operation)]):
+        left = tf.py_function(_leave, [entered], tf.int64, name="hvrep_watchdog_leave")
+    with tf.control_dependencies([left]):
+        return tf.nest.map_structure(lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, out)
+
+
+def _enter(label: str) -> int:
+    dog = _CURRENT
+    return dog.activity.enter(label) if dog is not None else 0
+
+
+def _leave(call: tf.Tensor) -> int:
+    dog = _CURRENT
+    if dog is not None:
+        dog.activity.leave(int(call.numpy()))
+    return 0
+
+
+# --- this process's watchdog ----------------------------------------------------------------------
+
+# The watchdog of this process (one per process, like Horovod), or None; and the backends that use it.
 _CURRENT: Watchdog | None = None
+_USERS: set[int] = set()
 
 
 def current() -> Watchdog | None:
@@ -336,11 +791,28 @@ def current() -> Watchdog | None:
     return _CURRENT
 
 
-def install(watchdog: Watchdog | None) -> None:
+def install(watchdog: Watchdog | None, user: object | None = None) -> None:
+    """Makes ``watchdog`` this process's (closing the one before), used by ``user`` (a backend)."""
     global _CURRENT
     if _CURRENT is not None and _CURRENT is not watchdog:
         _CURRENT.close()
+        _USERS.clear()
     _CURRENT = watchdog
+    if watchdog is not None and user is not None:
+        _USERS.add(id(user))
+
+
+def acquire(user: object) -> None:
+    """``user`` (another backend) uses this process's watchdog too."""
+    if _CURRENT is not None:
+        _USERS.add(id(user))
+
+
+def release(user: object) -> None:
+    """``user`` is done with the watchdog; the last user's release stops it."""
+    _USERS.discard(id(user))
+    if not _USERS and _CURRENT is not None:
+        install(None)
 
 
 @contextlib.contextmanager

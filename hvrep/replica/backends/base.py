@@ -145,6 +145,10 @@ class Backend(abc.ABC):
         ``hvrep.compat.keras_batch_norm.fused_in_this_thread`` when ``batch_norm`` is "fused"."""
         return keras_batch_norm.in_this_thread(fn) if self.batch_norm == "fused" else fn
 
+    def close(self) -> None:
+        """Releases what outlives a step (the horovod backend: its compiled steps and its use of the watchdog)."""
+        return
+
     @classmethod
     @abc.abstractmethod
     def available(cls) -> bool:

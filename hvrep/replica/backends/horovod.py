@@ -80,6 +80,10 @@ def _capture_variables() -> Iterator[list[tf.Variable]]:
 
 _log = logging.getLogger("hvrep")
 
+# What the watchdog's report calls a collective traced outside run: Keras' fit step calling
+# Replicator.all_reduce (hvrep.keras.DistributedOptimizer), or the user's own tf.function.
+_OUTSIDE_RUN = "a compiled step outside run (Keras fit, a tf.function)"
+
 # What Horovod (and MPI) read when this process started it (they read these settings once, at init), and the
 # mpi_yield_when_idle the first Replicator asked for (MPI may have started before it could be set).
 _started_with: dict[str, str | None] | None = None
@@ -193,8 +197,12 @@ class HorovodBackend(Backend):
                 "compression='bf16': Horovod cannot reduce bfloat16 tensors. Fix: use compression='fp16' "
                 "(half the bytes, works on every backend) or 'none', or the local/tpu backend for bf16."
             )
-        self.hvd = compat.import_horovod()
-        _start_horovod(self.hvd, config)
+        hvd = compat.import_horovod()
+        _start_horovod(hvd, config)
+        # Every collective this backend issues goes through Horovod's module wrapped for the watchdog, eager or
+        # traced, in run or in Keras' fit (hvrep.replica.watchdog.Watched): nothing else needs to mark them.
+        self._doing = ""
+        self.hvd = watchdog.Watched(hvd, lambda: self._doing or _OUTSIDE_RUN)
         _check_world_size(int(self.hvd.size()))
         # Read once: hvrep runs a fixed set of ranks (no elastic Horovod), so they cannot change.
         self._rank, self._size = int(self.hvd.rank()), int(self.hvd.size())
@@ -208,12 +216,14 @@ class HorovodBackend(Backend):
 
     def _start_watchdog(self, timeout_s: float) -> None:
         """One hang watchdog per process (CommConfig.timeout_s > 0, more than one rank); a later Replicator
-        reuses it with its own timeout. Rank 0's address travels in one broadcast, the only Horovod op it uses."""
+        reuses it with its own timeout. Rank 0's address and the job's secret travel in one broadcast, the only
+        Horovod op it uses."""
         if timeout_s <= 0 or self._size < 2:
             return
         found = watchdog.current()
         if found is not None:
             found.timeout_s = float(timeout_s)
+            watchdog.acquire(self)
             return
 
         def exchange(address: bytes) -> bytes:
@@ -222,7 +232,24 @@ class HorovodBackend(Backend):
             out = self.hvd.broadcast(tf.constant(buf), root_rank=0, name=self._name("watchdog")).numpy()
             return out.tobytes().rstrip(b"\0")
 
-        watchdog.install(watchdog.Watchdog(self._rank, self._size, timeout_s, exchange))
+        watchdog.install(watchdog.Watchdog(self._rank, self._size, timeout_s, exchange,
+                                           single_host=self._local_size == self._size), self)
+
+    def close(self) -> None:
+        """Drops the compiled steps and the variables it tracks, and its use of the watchdog (the last user
+        stops it). Horovod stays initialised for the process, as Horovod requires."""
+        self._functions = FunctionCache()
+        self._scope_vars.clear()
+        watchdog.release(self)
+
+    @contextlib.contextmanager
+    def _calling(self, what: str) -> Iterator[None]:
+        """Labels the collectives issued inside (traced or eager) with ``what``, for the watchdog's report."""
+        before, self._doing = self._doing, what
+        try:
+            yield
+        finally:
+            self._doing = before
 
     @classmethod
     def available(cls) -> bool:
@@ -269,12 +296,13 @@ class HorovodBackend(Backend):
             yield
         for v in created:
             self._scope_vars[id(v)] = v
-        with watchdog.collective("broadcast of the variables created in scope()"):
+        with self._calling("scope()'s broadcast of its variables"):
             self._broadcast_variables(created)
 
     def broadcast_variables(self, variables: Sequence[tf.Variable], root: int) -> None:
         super().broadcast_variables(variables, root)
-        self._broadcast_variables(variables, root)
+        with self._calling(f"broadcast_variables(root_rank={root}) at {_call_site()}"):
+            self._broadcast_variables(variables, root)
         for v in variables:
             self._scope_vars[id(v)] = v
 
@@ -304,7 +332,7 @@ class HorovodBackend(Backend):
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         entry = self._functions.entry(fn, lambda f: tf.function(self.step_body(f), reduce_retracing=True))
         tf_fn = entry[1]
-        with self.replica_section(), watchdog.collective(f"run({getattr(fn, '__qualname__', repr(fn))})"):
+        with self.replica_section(), self._calling(f"run({getattr(fn, '__qualname__', repr(fn))})"):
             if entry[2] is None:
                 self._first_call_checks(tf_fn, args, kwargs)
                 entry[2] = "checked"
@@ -409,7 +437,7 @@ class HorovodBackend(Backend):
     def reduce(self, value: Any, op: str) -> Any:
         check_op(op)
         hop = self._hvd_op(op)
-        with watchdog.collective(f"reduce({op}) at {_call_site()}"):
+        with self._calling(f"reduce({op}) at {_call_site()}"):
             return self._reduce(value, op, hop)
 
     def _reduce(self, value: Any, op: str, hop: Any) -> Any:
