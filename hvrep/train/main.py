@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hvrep import kernels
-from hvrep.errors import HvrepError
+from hvrep.errors import EXIT_OK, EXIT_USAGE, HvrepError
 from hvrep.train import config as configs
 from hvrep.train import cores
 
@@ -130,13 +130,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
 
     # Chief-only output is decided here, once: other ranks get a writer that does nothing.
     metrics = MetricsWriter(out, chief)
-    hang = watchdog.current()
-    if hang is not None:
-        # A collective that timed out ends this run with exit code 75, which slurm/preemptible.sbatch requeues
-        # on; the chief says so in metrics.jsonl (the last checkpoint is the newest complete one).
-        hang.on_timeout(lambda report: metrics.record_only(
-            "final", stopped="timeout", report=report,
-            checkpoint=str(ckpt.latest()) if ckpt.latest() else None))
+    _last_words(watchdog.current(), metrics, ckpt.latest)
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile,
                  "input": cfg.data.backend, "compression": cfg.comm.compression,
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,
@@ -160,6 +154,15 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                    replicas=n, wall_sec=result["wall_sec"], output_dir=str(out),
                    checkpoint=str(ckpt.latest()) if ckpt.latest() else None)
     return _finish(summary, metrics, n)
+
+
+def _last_words(hang: Any, metrics: Any, latest: Any) -> None:
+    """When the watchdog ends the run (a hang: exit 75, stopped="timeout", which slurm/preemptible.sbatch requeues;
+    ranks in different collectives: exit 65, stopped="mismatch", which it does not), the chief says so in
+    metrics.jsonl with the report and the newest complete checkpoint (nothing is saved from the stuck step)."""
+    if hang is not None:
+        hang.on_end(lambda stopped, report: metrics.record_only(
+            "final", stopped=stopped, report=report, checkpoint=str(latest()) if latest() else None))
 
 
 def _finish(summary: dict[str, Any], metrics: Any, n: int) -> dict[str, Any]:
@@ -199,6 +202,12 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
         metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}) with model.fit, global batch {gb}, "
                     f"{epochs} epochs x {steps_per_epoch} steps" + (f", resumed from {restored}" if restored else ""))
 
+    from hvrep.replica import watchdog
+    from hvrep.train.checkpoint import CheckpointManager
+
+    # A reader of the folder fitloop's manager writes, for the watchdog's last words (it saves nothing).
+    reader = CheckpointManager(out / "checkpoints", is_chief=False, step=tf.Variable(0, dtype=tf.int64))
+    _last_words(watchdog.current(), metrics, reader.latest)
     result = fitloop.run_fit(cfg, repl, lambda: _model(cfg), train_images=train_images, val_images=val_images,
                              metrics=metrics, resume=resume, started=started)
     rates = result["images_per_sec"]
@@ -225,5 +234,5 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, resume=args.resume)
     except HvrepError as e:
         print(f"hvrep train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_USAGE.code
+    return EXIT_OK.code
