@@ -54,6 +54,7 @@ ends nothing by itself: only a rank seen waiting in a collective does.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import hmac
@@ -63,6 +64,7 @@ import json
 import os
 import secrets
 import selectors
+import signal
 import socket
 import sys
 import threading
@@ -538,6 +540,7 @@ class Watchdog:
         self._callbacks: list[Callable[[str, str], None]] = []
         self._states: dict[int, tuple[float, dict[str, Any]]] = {}
         self._gone: dict[int, str] = {}
+        self._told: set[int] = set()  # ranks the server has answered with the verdict
         self._verdict: Verdict | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -622,6 +625,8 @@ class Watchdog:
             self._states[rank] = (_now(), state)
             self._gone.pop(rank, None)
             v = self._verdict
+            if v is not None:
+                self._told.add(rank)
         return None if v is None else {"exit": v.exit.name, "report": v.report.split("\n", 1)[0]}
 
     def _lost(self, rank: int) -> None:
@@ -682,6 +687,8 @@ class Watchdog:
             if self._ended:
                 return
             self._ended = True
+        if self._exit_fn is os._exit:
+            _ignore_sigterm()
         text = report if self.rank == 0 or not report.startswith("hvrep: ") \
             else report.split("\n", 1)[0] + f" (rank {self.rank}; rank 0 prints every rank's state)"
         print(text, file=sys.stderr, flush=True)
@@ -694,8 +701,15 @@ class Watchdog:
                   f"finish within {END_WORK_S:g} s (a hung file system?); exiting without them.", file=sys.stderr,
                   flush=True)
         if self.rank == 0 and self._server is not None:
-            # Rank 0 answers the others' next heartbeats with the verdict before leaving.
-            time.sleep(min(2 * self.interval, 5.0))
+            # Rank 0 answers the others' next heartbeats with the verdict before leaving: until every rank still
+            # heartbeating has had it, for at most two heartbeats (5 s).
+            deadline = _now() + min(2 * self.interval, 5.0)
+            while _now() < deadline:
+                with self._lock:
+                    live = {r for r, (t, _) in self._states.items() if _now() - t < self.stale_s and r != 0}
+                    if live <= self._told:
+                        break
+                time.sleep(0.05)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         self._stop.set()
@@ -705,6 +719,21 @@ class Watchdog:
         for callback in self._callbacks:
             with contextlib.suppress(Exception):
                 callback(stopped, report)
+
+
+def _ignore_sigterm() -> None:
+    """Keeps a launcher's SIGTERM from replacing the verdict's exit code on its way out.
+
+    Once one rank has left with the verdict's code, ``srun --kill-on-bad-exit`` (and mpirun) sends SIGTERM to
+    the others, and srun returns the highest of its tasks' codes: a rank killed by it counts as 143 and hides
+    65 or 75 from ``slurm/preemptible.sbatch``. Every rank leaves by itself within seconds of the verdict
+    (END_WORK_S at most), well within Slurm's KillWait before its SIGKILL. ``signal.signal`` works from the
+    main thread only, which is blocked in the collective; the C call sets the process's disposition from any.
+    """
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+        libc.signal(int(signal.SIGTERM), 1)  # SIG_IGN
 
 
 # --- the one mechanism that watches every collective ----------------------------------------------
