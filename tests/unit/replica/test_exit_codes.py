@@ -1,0 +1,35 @@
+"""hvrep.errors.EXIT_CODES is the one table of exit codes: the watchdog uses it, and the README's "Exit codes"
+section and slurm/preemptible.sbatch must say the same."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hvrep.errors import EXIT_CODES, EXIT_HANG, EXIT_MISMATCH
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_each_code_is_distinct_and_the_readme_lists_each_with_what_slurm_does():
+    assert len({e.code for e in EXIT_CODES}) == len(EXIT_CODES)
+    assert len({e.stopped for e in EXIT_CODES if e.stopped}) == len([e for e in EXIT_CODES if e.stopped])
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = {int(m[1]): m[0] for m in re.finditer(r"^\| (\d+) \|.*$", section, flags=re.M)}
+    assert sorted(rows) == sorted(e.code for e in EXIT_CODES), rows
+    for e in EXIT_CODES:
+        if e.stopped:
+            assert f"`{e.stopped}`" in rows[e.code], rows[e.code]
+        assert ("not requeued" in rows[e.code]) != e.requeue or e.code == 0, rows[e.code]
+
+
+def test_the_preemptible_script_requeues_exactly_the_codes_the_table_marks_transient():
+    script = (ROOT / "slurm" / "preemptible.sbatch").read_text()
+    # The decision after srun: `if [[ REFUSE ]]; then ... elif [[ REQUEUE ]]; then ... scontrol requeue`.
+    refuse, requeue = re.search(r"^if \[\[(.*)\]\]; then\n.*\n^elif \[\[(.*)\]\]; then$", script, flags=re.M).groups()
+    assert f"$status -eq {EXIT_HANG.code}" in requeue and f"$stopped == {EXIT_HANG.stopped}" in requeue
+    assert f"$status -eq {EXIT_MISMATCH.code}" in refuse and f"$stopped == {EXIT_MISMATCH.stopped}" in refuse
+    for e in EXIT_CODES:
+        if not e.requeue and e.code:
+            assert f"-eq {e.code} " not in requeue, e
