@@ -3,8 +3,10 @@
 SIGKILL of one rank: the launcher ends every rank, non-zero, within 60 s. SIGSTOP of one rank (a hang: it
 holds no connection open and answers nothing) with comm.timeout_s=20: the other rank exits non-zero within
 90 s with hvrep's watchdog report naming the stopped rank, and the newest checkpoint is a complete one.
-A user's input_fn that yields more batches on one rank ends the job with an error naming both ranks' calls.
-Without the watchdog the last two hang until the test's own deadline (README, "When things go wrong").
+The same SIGSTOP during Keras' model.fit (`hvrep train train.loop=fit`, whose collectives Keras' own compiled
+step issues) ends the job within comm.timeout_s + 30 s. A user's input_fn that yields more batches on one rank
+ends the job with exit code 65 (not the hang's 75) and an error naming both ranks' calls. Without the watchdog
+the last three hang until the test's own deadline (README, "When things go wrong").
 Every launch runs in its own process group, which is continued and killed whatever the test's outcome.
 
 The file's launches run 3 at a time (threads, one Popen each), for the CI clock: most of a SIGSTOP case is
@@ -29,6 +31,7 @@ import psutil
 import pytest
 
 from hvrep.data import write_demo
+from hvrep.errors import EXIT_MISMATCH
 from tests.multirank import harness
 
 pytestmark = pytest.mark.multirank
@@ -154,6 +157,31 @@ def _sigstop(launcher: str, tmp: Path, demo_data: Path) -> str:
             f"({time.monotonic() - stopped_at:.1f} s), exit code {proc.returncode}")
 
 
+def _sigstop_fit(launcher: str, tmp: Path, demo_data: Path) -> str:
+    out, log = tmp / "run", tmp / "job.log"
+    args = ["--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}", "train.epochs=50",
+            "train.loop=fit", "train.steps_per_loop=1", "comm.timeout_s=20"]
+    with _launched(launcher, args, log) as proc:
+        # fit logs once an epoch: stop rank 1 inside the second epoch's fit.
+        deadline = time.monotonic() + 240
+        while not any(e["event"] == "epoch" for e in _events(out)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no epoch of fit within 240 s ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        ranks = {r: p for p in psutil.Process(proc.pid).children(recursive=True) if (r := _rank_of(p)) is not None}
+        time.sleep(1)
+        ranks[1].send_signal(signal.SIGSTOP)
+        took = _wait(proc, 20 + 30, log, "SIGSTOP of rank 1 in model.fit with comm.timeout_s=20")
+        text = log.read_text()
+        assert proc.returncode != 0, text[-4000:]
+        assert "has not completed within comm.timeout_s=20 s: rank(s) 1 did not join" in text, text[-4000:]
+        assert "<- NO HEARTBEAT" in text, text[-4000:]
+    final = _events(out)[-1]
+    assert final["event"] == "final" and final["stopped"] == "timeout", final
+    assert "rank(s) 1 did not join" in final["report"], final
+    return f"{launcher}: SIGSTOP of rank 1 in model.fit -> the job ended {took:.1f} s later, exit {proc.returncode}"
+
+
 def _uneven(launcher: str, tmp: Path, demo_data: Path) -> str:
     log = tmp / "job.log"
     script = str(harness.HERE / "uneven_input.py")
@@ -164,9 +192,10 @@ def _uneven(launcher: str, tmp: Path, demo_data: Path) -> str:
     if returncode is None:
         pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
     text = log.read_text()
-    assert returncode != 0, text[-4000:]
-    assert "the ranks are in different collectives at call #7 (rank(s) 0 in reduce(mean) at uneven_input.py:33; " \
-        "rank(s) 1 in run(step_fn))" in text, text[-4000:]
+    assert returncode == (EXIT_MISMATCH.code if launcher == "mpirun" else 1), text[-4000:]  # horovodrun says 1
+    assert "rank(s) 0 in reduce(mean) at uneven_input.py:33: allgather int64[1]; rank(s) 1 in run(step_fn): " \
+        "allreduce float32[10]" in text, text[-4000:]
+    assert f"Exiting every rank with code {EXIT_MISMATCH.code}" in text
     assert "input_fn yields different numbers of batches" in text
     return f"{launcher}: uneven input -> exit code {returncode}"
 
@@ -183,7 +212,7 @@ def launches(request, demo_data, tmp_path_factory) -> Iterator[Callable[[Callabl
         scenario = getattr(getattr(item, "function", None), "scenario", None)
         if item.module is request.module and scenario is not None:
             wanted.append((scenario, item.callspec.params["launcher"]))
-    wanted.sort(key=lambda w: [_sigstop, _uneven, _sigkill].index(w[0]))
+    wanted.sort(key=lambda w: [_sigstop_fit, _sigstop, _uneven, _sigkill].index(w[0]))
     futures: dict[tuple[str, str], Future] = {}
     with ThreadPoolExecutor(max_workers=3) as pool:
 
@@ -217,6 +246,13 @@ def test_a_killed_rank_ends_every_rank_non_zero_within_60_s(launches, launcher):
 @_runs(_sigstop)
 def test_a_stopped_rank_ends_the_others_within_90_s_with_a_report_naming_it(launches, launcher):
     print(launches(_sigstop, launcher))
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+@_runs(_sigstop_fit)
+def test_a_rank_stopped_in_model_fit_ends_the_others_within_the_timeout_plus_30_s(launches, launcher):
+    print(launches(_sigstop_fit, launcher))
 
 
 @pytest.mark.timeout(450)

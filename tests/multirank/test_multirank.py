@@ -46,3 +46,14 @@ def test_launch_saw_every_rank_and_exited_cleanly(launches, launcher: str) -> No
     assert result.started == {r: harness.NP for r in range(harness.NP)}, result.output[-3000:]
     assert result.done == set(range(harness.NP)), result.output[-3000:]
     assert result.returncode == 0, result.output[-3000:]
+
+
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_nothing_a_peer_without_the_watchdog_secret_sent_reaches_the_output(launches, launcher: str) -> None:
+    # cases_watchdog.py attacks rank 0's watchdog port during the launch; its text carries this marker.
+    from tests.multirank.cases_watchdog import MARKER
+
+    result = launches(launcher)
+    assert result.cases.get(("cases_watchdog.py", "case_a_peer_without_the_secret_changes_nothing")), \
+        "the attack case did not run"
+    assert MARKER not in result.output, result.output[-3000:]

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from hvrep.data import write_demo
+from hvrep.errors import EXIT_MISMATCH
 from tests.slurm.slurm_cluster import TERMINAL_STATES, LocalSlurm, SlurmError, SlurmUnavailable, ensure_slurm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -244,3 +245,34 @@ def test_preemptible_job_trains_with_model_fit_stops_on_usr1_and_resumes_after_t
         slurm.wait(job, 120)
     except SlurmError as e:
         pytest.fail(str(e))
+
+
+def test_preemptible_job_is_not_requeued_when_the_ranks_run_different_collectives(slurm, tmp_path):
+    # Uneven input across ranks is deterministic: a requeue would fail the same way. hvrep train's own pipelines
+    # are even by construction, so srun runs a user's program with uneven input in its place
+    # (tests/multirank/uneven_input.py, through a shim named hvrep first on the job's PATH); the script and Slurm
+    # are as users run them. hvrep's watchdog ends both ranks with exit 65, and the script must not requeue.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'source "{sys.prefix}/bin/activate"\nexport PATH="{venv}/bin:$PATH"\n')
+    shim = venv / "bin" / "hvrep"
+    shim.write_text(f'#!/bin/sh\nexec python "{REPO}/tests/multirank/uneven_input.py"\n')
+    shim.chmod(0o755)
+    log = tmp_path / "job.out"
+    job = _submit(slurm, "preemptible.sbatch", log, [f"output_dir={tmp_path / 'run'}"], HVREP_VENV=str(venv))
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        info = slurm.job(job)
+        # Ended, or requeued (the failure this test is about): whichever comes first.
+        while info["JobState"] not in TERMINAL_STATES and int(info.get("Restarts", 0)) == 0:
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {job} still running after {JOB_TIMEOUT} s.\n{slurm.describe(job)}")
+            time.sleep(1)
+            info = slurm.job(job)
+    finally:
+        slurm.run(["scancel", str(job)], check=False)
+    text = log.read_text()
+    assert int(info["Restarts"]) == 0, slurm.describe(job)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", f"{EXIT_MISMATCH.code}:0"), slurm.describe(job)
+    assert "the ranks are in different collectives" in text, slurm.describe(job)
+    assert f"not requeueing job {job}" in text, text[-3000:]
