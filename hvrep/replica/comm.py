@@ -80,10 +80,12 @@ class CommConfig:
       check_first_step: before the first step of each ``run`` function
         executes, compare the collectives every replica traced (kind, dtype,
         shape) and raise on a mismatch instead of hanging in Horovod.
-      timeout_s: seconds a collective call (a ``run`` step, a ``reduce``) may
-        wait for the other ranks before every rank exits with one report
-        naming the ranks that did not join, what each was doing, and exit
-        code 75 (``hvrep.replica.watchdog``; README, "When things go wrong").
+      timeout_s: seconds a collective (any hvrep issues: in ``run``, a
+        ``reduce``, Keras' ``fit`` through ``hvrep.keras``) may wait for the
+        other ranks before every rank exits with one report naming the ranks
+        that did not join, what each was doing, and exit code 75
+        (``hvrep.errors.EXIT_HANG``; ranks in different collectives exit 65
+        without waiting; ``hvrep.replica.watchdog``; README, "Exit codes").
         Default 600: a first step's tracing or a chief's checkpoint write
         that others wait on must fit. 0: never (the job can hang). Horovod
         backend with more than one rank only: on the in-graph backends one
