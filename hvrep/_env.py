@@ -72,6 +72,10 @@ OMPI_MCA_MPI_YIELD_WHEN_IDLE = "OMPI_MCA_mpi_yield_when_idle"
 PRTE_MCA_OOB_TCP_IF_INCLUDE = "PRTE_MCA_oob_tcp_if_include"
 PRTE_MCA_PLM_SSH_AGENT = "PRTE_MCA_plm_ssh_agent"
 
+# TensorFlow's C++ log filter (0: all, 2: errors only), which `hvrep train` sets before TensorFlow's import unless
+# --verbose or the user set it.
+TF_CPP_MIN_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+
 # CUDA toolkit location (the GPU build of Horovod).
 CUDA_HOME = "CUDA_HOME"
 
@@ -208,3 +212,8 @@ def tpu_hint() -> bool:
 
 def cuda_home() -> str | None:
     return os.environ.get(CUDA_HOME)
+
+
+def quiet_tensorflow_logs() -> None:
+    """TensorFlow's C++ logging to errors only (before its import), unless the user chose a level."""
+    os.environ.setdefault(TF_CPP_MIN_LOG_LEVEL, "2")

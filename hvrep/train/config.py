@@ -185,6 +185,14 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    def __post_init__(self) -> None:
+        # Checked here too (optim.py checks the length a checkpoint gives), so that `hvrep train` refuses it
+        # before TensorFlow starts.
+        o, epochs = self.optim, self.train.epochs
+        if o.optimizer != "recipe" and epochs is not None and o.warmup_epochs > epochs:
+            raise ConfigError(f"optim.warmup_epochs={o.warmup_epochs:g} is longer than training (train.epochs="
+                              f"{epochs}). Fix: a shorter optim.warmup_epochs or a larger train.epochs.")
+
 
 SECTIONS = ("model", "data", "optim", "train", "comm", "checkpoint")
 
