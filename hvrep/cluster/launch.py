@@ -16,7 +16,8 @@ The choices, and where they come from:
   horovod/runner/mpi_run.py), and the aws-ofi-nccl wiki gives the srun form
   (https://github.com/aws/aws-ofi-nccl/wiki/CPU-Binding). ``core`` and
   ``socket`` remain for CPU-only jobs that want them.
-* **mpirun forwards NCCL_*, HOROVOD_*, TF_* and the paths** with ``-x NAME``
+* **mpirun forwards NCCL_*, HOROVOD_*, TensorFlow's variables (by name, not a
+  ``TF_`` prefix, which caught Terraform's) and the paths** with ``-x NAME``
   (names in ``hvrep._env.FORWARD_*``). Ranks on the launching node inherit
   everything anyway; ranks on other nodes get only what is forwarded. The
   name alone, not ``NAME=value``: mpirun reads the value from its own
@@ -68,6 +69,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -311,11 +313,19 @@ def run(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> int:
     env = _env.environ_snapshot() if environ is None else dict(environ)
     argv = build_argv(spec, env)
     argv[0] = find_launcher(argv[0], env)
-    proc = subprocess.Popen(argv, env=env)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C reached the launcher too (same process group); it stops its
-        # ranks, which takes a moment. Killing it now could orphan them.
-        code = proc.wait()
+    # The launcher runs in a session of its own, so the terminal's Ctrl-C reaches only this process, which
+    # passes the launcher the signal that makes hvrep's ranks stop and save (hvrep.train.preemption): mpirun
+    # answers SIGINT by killing its ranks 0.25 s after SIGTERM (Open MPI 5), too soon to save, but forwards
+    # SIGUSR1; srun forwards SIGUSR1 too; horovodrun catches SIGINT and sends its ranks SIGTERM.
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:
+            proc.send_signal(_STOP_SIGNAL[spec.launcher])  # and wait on: killing it now could orphan the ranks
     return 128 - code if code < 0 else code
+
+
+# What `hvrep launch` sends its launcher on Ctrl-C (see run).
+_STOP_SIGNAL = {"horovodrun": signal.SIGINT, "mpirun": signal.SIGUSR1, "srun": signal.SIGUSR1}
