@@ -51,14 +51,12 @@ The choices, and where they come from:
   unless ``:overload-allowed`` (measured: Open MPI 5.0.11). Off by default:
   more ranks than CPUs usually halves throughput by mistake. horovodrun
   declares ``-H localhost:N`` slots itself and never needs it.
-* **horovodrun --mpi always gets ``--binding-args``**: Horovod 0.28.1's
-  horovodrun passes Open MPI 4's ``-bind-to none -map-by slot`` to mpirun,
-  and Open MPI 5's mpirun takes ``-bind-to`` for an unknown option and
-  ``none`` for the program ("prterun was unable to find the specified
-  executable file ... Executable: none"; measured, Open MPI 5.0.11). That is
-  also what a plain ``horovodrun -np 2 python train.py`` does where Horovod
-  was built with MPI (it prefers MPI to Gloo). ``--bind-to none --map-by
-  slot``, which both Open MPI 4 and 5 take, replaces it.
+* **horovodrun --mpi always gets ``--binding-args``**, which carries
+  ``bind``. Horovod 0.28.1's own default, Open MPI 4's ``-bind-to none
+  -map-by slot``, is read by Open MPI 5 as an unknown option and the program
+  ``none`` ("Executable: none"); hvrep's Horovod install fixes that line
+  (``hvrep.compat.build_horovod.RUNNER_PATCH``), and ``--binding-args`` keeps
+  a Horovod installed otherwise working too.
 * Not emitted: Horovod's guide also adds ``-mca pml ob1 -mca btl ^openib``.
   Open MPI 5 has no openib BTL, and forcing ob1 keeps UCX (the InfiniBand
   path) out; pass such flags in ``extra`` where a cluster wants them.
@@ -238,8 +236,8 @@ def horovodrun_argv(spec: LaunchSpec) -> list[str]:
         argv.append("--gloo")
     else:
         argv.append("--mpi")
-        # Always: horovodrun 0.28.1's own default is Open MPI 4's single-dash `-bind-to none -map-by slot`,
-        # which Open MPI 5's mpirun (prterun) rejects ("Executable: none"); both take the double-dash form.
+        # Always: it carries spec.bind, and a Horovod 0.28.1 installed without hvrep's runner fix passes Open
+        # MPI 4's single-dash `-bind-to none`, which Open MPI 5 rejects ("Executable: none").
         argv.append(f"--binding-args=--bind-to {spec.bind} --map-by slot")
     return [*argv, *spec.extra, *spec.command]
 

@@ -355,6 +355,14 @@ def _installed_horovod_dir() -> Path:
     return Path(md.distribution("horovod").locate_file("horovod"))
 
 
+def runner_patched() -> bool | None:
+    """Whether the installed Horovod's runner has :data:`RUNNER_PATCH`; None without Horovod."""
+    try:
+        return RUNNER_PATCH[1] in (_installed_horovod_dir() / RUNNER_PATCH_FILE).read_text()
+    except (md.PackageNotFoundError, OSError):
+        return None
+
+
 def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPlan:
     """Installs the Horovod this environment needs, building it only if no cached wheel fits."""
     plan = make_plan(gpu)
