@@ -22,6 +22,7 @@ owns the loop's cadence and ``steps.py`` the compiled steps (Orbit's split).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -99,6 +100,13 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     from hvrep.train.position import SchedulePosition
     from hvrep.train.steps import Runner
 
+    # The rank's CPU budget, from its place on the node (the launcher's variables) before TensorFlow's runtime
+    # starts (its pools are fixed then); the resolved values replace the settings, so the data pipeline gets
+    # them and metrics.jsonl records them.
+    placement = hvrep.resolve_placement()
+    budget = cores.default_budget(cfg.train.threads, cfg.train.bind_cores, placement.local_size)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=budget.threads,
+                                                             bind_cores=budget.bind))
     _limit_threads(cfg.train.threads)
     if cfg.train.precision != "fp32":
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
@@ -123,7 +131,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
 
     keras.utils.set_random_seed(cfg.train.seed)
     if cfg.train.loop == "fit":
-        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding, moved, skipped)
+        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding, moved, skipped,
+                        budget)
     with repl.scope():
         model = _model(cfg)
         optim = optimizers.build(cfg, train_images)
@@ -161,7 +170,7 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,
                  "kernels": kernels.status().describe()}
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
-           "cores": list(binding.cores), "bound_here": binding.bound_here,
+           "cores": list(binding.cores), "bound_here": binding.bound_here, "cpu_budget": budget.why,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     epochs = optim.epochs
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
@@ -221,7 +230,7 @@ def _say_start(metrics: Any, moved: Path | None, skipped: dict[str, list[str]] |
 
 def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: int, train_images: int,
              val_images: int, binding: cores.Binding, moved: Path | None,
-             skipped: dict[str, list[str]] | None) -> dict[str, Any]:
+             skipped: dict[str, list[str]] | None, budget: cores.Budget) -> dict[str, Any]:
     """``train.loop=fit``: the same model, optimizer, data and evaluation, trained by Keras' fit."""
     import tensorflow as tf
 
@@ -233,7 +242,7 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
     n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
     metrics = MetricsWriter(out, repl.is_chief)
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
-           "cores": list(binding.cores), "bound_here": binding.bound_here,
+           "cores": list(binding.cores), "bound_here": binding.bound_here, "cpu_budget": budget.why,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile, "input": cfg.data.backend,
                  "loop": "fit", "kernels": kernels.status().describe()}
