@@ -35,6 +35,11 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
+def _lazy(name: str) -> Any:
+    """A lazy name as this package holds it now (imported on first use; what a test may have replaced)."""
+    return globals()[name] if name in globals() else __getattr__(name)
+
 def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
                  training: bool | None = None, position: EpochPosition | None = None,
                  threads: int | None = None) -> tf.data.Dataset:
@@ -57,9 +62,7 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
         if threads is not None:
             config = dataclasses.replace(config, num_threads=threads)
         return dali_dataset(config, split, ctx, batch_size, training, position)
-    from hvrep.data.tfdata import tfdata_dataset
-
-    return tfdata_dataset(config, split, ctx, batch_size, training, position, threads)
+    return _lazy("tfdata_dataset")(config, split, ctx, batch_size, training, position, threads)
 
 
 def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:
@@ -68,9 +71,7 @@ def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:
         from hvrep.data.dali import dali_plan
 
         return dali_plan(config, split)
-    from hvrep.data.tfdata import tfdata_plan
-
-    return tfdata_plan(config, split)
+    return _lazy("tfdata_plan")(config, split)
 
 
 def num_examples(config: DataConfig, split: str) -> int:
