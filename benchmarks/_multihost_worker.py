@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def fn(ts: list[tf.Tensor], scope: str = scope) -> list[tf.Tensor]:
                     with tf.name_scope(scope):
-                        return hvrep.all_reduce(ts, "mean")
+                        return hvrep.all_reduce(ts, "mean", compress=True)  # gradient-like: as configured
 
                 def call(ts: list[tf.Tensor] = tensors, fn: Any = fn) -> None:
                     out = first.run(fn, args=(ts,))
@@ -153,7 +153,7 @@ def _train_cases(args: argparse.Namespace, first: Any, hvd: Any, rank: int, size
                         # that reduces after backward; the alpha-beta model with overlap 0 describes this one.
                         with tf.control_dependencies(grads):
                             grads = [tf.identity(g) for g in grads]
-                    grads = hvrep.all_reduce(grads, "mean")
+                    grads = hvrep.all_reduce(grads, "mean", compress=True)
                 opt.apply_gradients(zip(grads, variables, strict=True))
                 return loss
         return step

@@ -177,7 +177,8 @@ def hvrep_contender(args: argparse.Namespace) -> tuple[Callable[[bool], tf.Tenso
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(hvrep.all_reduce(grads, "mean"), model.trainable_variables, strict=True))
+        opt.apply_gradients(zip(hvrep.all_reduce(grads, "mean", compress=True), model.trainable_variables,
+                                strict=True))
         # What the trace built (the default graph is the step's own): which batch-norm arithmetic ran.
         ops = [op.type for op in tf.compat.v1.get_default_graph().get_operations()]
         info["traced_batch_norm_ops"] = {k: ops.count(k) for k in ("FusedBatchNormV3", "SquaredDifference")}

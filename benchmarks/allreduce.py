@@ -205,7 +205,7 @@ def _hvrep_case(repl: hvrep.Replicator | CollectiveError, threshold: int, compre
 
     def step(gs: list[tf.Tensor]) -> list[tf.Tensor]:
         with tf.name_scope(scope):
-            return hvrep.all_reduce(gs, "mean")
+            return hvrep.all_reduce(gs, "mean", compress=True)  # gradients: compressed as configured
 
     def call() -> list[tf.Tensor]:
         before = repl.collective_calls

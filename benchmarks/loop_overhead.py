@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hvrep import _env
     from hvrep.data import num_examples, synthetic_dataset, write_demo
     from hvrep.train import main as train_main
+    from hvrep.train import optim as optimizers
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.controller import Controller, LoopState
     from hvrep.train.metrics import MetricsWriter
@@ -88,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     keras.utils.set_random_seed(cfg.train.seed)
     with repl.scope():
         model = train_main._model(cfg)
-        optimizer, _, smoothing = train_main._optimizer(cfg, steps, train_images)
+        optim = optimizers.build(cfg, train_images)
+        optimizer, smoothing = optim.optimizer, optim.label_smoothing
         if cfg.train.precision == "fp16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer.build(model.trainable_variables)

@@ -1,4 +1,4 @@
-"""Scaling across namespace hosts on shaped links (hvrep netbed), measured and predicted by hvrep.costmodel.
+"""Scaling across namespace hosts on shaped links (hvrep netbed), measured and predicted by hvrep.perf.costmodel.
 
     sudo .venv/bin/python benchmarks/multihost.py --hosts 2 --link-gbit 1 --out results/multihost.jsonl
     sudo .venv/bin/python benchmarks/multihost.py --hosts 2 --link-gbit 0.1,0.5,1 --out results/multihost.jsonl
@@ -10,7 +10,7 @@ One bed of ``--hosts`` network namespaces (``hvrep.cluster.netbed``), then:
    rate, one launch across all hosts times ``hvrep.all_reduce`` of k fp32
    tensors holding S bytes (S in 0.5, 2, 8 MB; k in 1, 32; one collective per
    tensor). For each target rate G the cost model is fitted
-   (``hvrep.costmodel.calibrate``) on the points of the OTHER rates only, never
+   (``hvrep.perf.costmodel.calibrate``) on the points of the OTHER rates only, never
    on G itself, with every point's bytes scaled by G / R: the model says a
    ring all-reduce's bandwidth term is S / B with B the link's rate times a
    fixed efficiency (headers, protocol, the library), so a point at rate R

@@ -11,8 +11,8 @@ TensorFlow's import (5 s and more).
 import importlib
 from typing import Any
 
-from hvrep import _moved, errors
 from hvrep import compat as _compat
+from hvrep import errors
 from hvrep._version import __version__
 from hvrep.replica.placement import Placement, resolve_placement
 
@@ -20,8 +20,6 @@ from hvrep.replica.placement import Placement, resolve_placement
 # horovod.tensorflow; doing it here lets users `import hvrep` and then import
 # Horovod themselves. A no-op on CPU builds (no shim: TensorFlow is not imported).
 _compat.load_runtime_shim()
-# Module paths from before the one-folder-per-layer layout (hvrep.config, ...) resolve to their new homes.
-_moved.install()
 
 # name -> (module, attribute; None: the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {

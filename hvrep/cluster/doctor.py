@@ -9,9 +9,12 @@ per missing piece, each with its fix.
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import os
 import platform
 import sys
+import sysconfig
+from pathlib import Path
 from typing import Any
 
 from hvrep import _env
@@ -63,6 +66,28 @@ def _tensorflow() -> dict[str, Any]:
     }
 
 
+# Horovod's framework bindings: (its subpackage, the compiled extension that subpackage needs, the framework).
+_HOROVOD_FRAMEWORKS = {"pytorch": ("torch", "mpi_lib_v2", "torch"), "mxnet": ("mxnet", "mpi_lib", "mxnet")}
+
+
+def _horovod_framework(subpackage: str, extension: str, framework: str) -> bool:
+    """Whether Horovod can run on ``framework``: its extension was built and the framework is installed.
+
+    Not what ``horovodrun --check-build`` shows: it counts a framework as
+    available when ``import horovod.<subpackage>`` succeeds, and Horovod
+    0.28.1's ``horovod/torch/__init__.py`` catches its own missing extension
+    (prints "MPI libs are missing" and imports anyway), so a Horovod built
+    with ``HOROVOD_WITHOUT_PYTORCH=1`` (as ``make setup`` builds it) in a
+    venv without torch is listed as ``[X] PyTorch``. Neither is imported
+    here: torch is slow to import and not needed to know.
+    """
+    spec = importlib.util.find_spec("horovod")
+    if spec is None or spec.origin is None:
+        return False
+    built = (Path(spec.origin).parent / subpackage / f"{extension}{sysconfig.get_config_var('EXT_SUFFIX')}").is_file()
+    return built and importlib.util.find_spec(framework) is not None
+
+
 def _horovod() -> dict[str, Any]:
     from hvrep import compat
 
@@ -73,6 +98,7 @@ def _horovod() -> dict[str, Any]:
     return {
         "version": version,
         "tensorflow": True,
+        **{name: _horovod_framework(*where) for name, where in _HOROVOD_FRAMEWORKS.items()},
         "mpi": bool(hvd.mpi_built()),
         "gloo": bool(hvd.gloo_built()),
         "nccl": bool(hvd.nccl_built()),
@@ -97,8 +123,11 @@ def _mpi() -> dict[str, Any]:
     }
     if library.startswith("Open MPI"):
         exported = os.environ.get(_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE)
-        # What a rank waiting in MPI does: hvrep's Replicator asks for yielding unless this was exported.
+        site = _env.mca_file_setting("mpi_yield_when_idle")
+        # What a rank waiting in MPI does: hvrep's Replicator asks for yielding unless this was exported or a
+        # parameter file sets it.
         report["yield_when_idle"] = (f"{exported} (exported)" if exported is not None else
+                                     f"{site[1]} (from {site[0]})" if site is not None else
                                      "1 from hvrep's Replicator, if it starts MPI (CommConfig."
                                      "mpi_yield_when_idle); Open MPI alone busy-polls")
     if library.startswith("Open MPI v5") and _dist_version("horovod") == "0.28.1":

@@ -46,7 +46,12 @@ The layout, and why:
 
 Each bed has a unique prefix, ``hvbed-<pid>-<n>``, on its namespaces,
 ``/etc/netns`` entries and folder, so beds of parallel processes never
-collide and a teardown removes only its own. Teardown runs on leaving the
+collide and a teardown removes only its own. The folder, which holds the
+executable ``ssh`` stand-in that root runs, is made by
+``tempfile.mkdtemp`` (``<tmp>/hvbed-<pid>-<n>-<random>``, mode 0700, created
+anew, never an existing path): a predictable ``/tmp`` name made with
+``exist_ok`` would let any local user pre-create it (or a symlink) and choose
+what root executes or overwrites. Teardown runs on leaving the
 ``with`` block (also when its body raises) and at interpreter exit; a bed
 whose process was killed (SIGKILL) is removed by :func:`cleanup_stale`
 (``hvrep netbed cleanup``), which matches the prefix and a pid no longer alive.
@@ -162,7 +167,8 @@ class NetBed:
         self.hosts: tuple[str, ...] = tuple(f"h{i}" for i in range(1, hosts + 1))
         self.link_gbit = link_gbit
         self.prefix = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
-        self.dir = Path(tempfile.gettempdir()) / self.prefix
+        # The bed's private folder: made by up() (see the module docstring), None until then.
+        self.dir: Path | None = None
         self._up = False
 
     # --- names ---
@@ -182,7 +188,10 @@ class NetBed:
 
     @property
     def bin_dir(self) -> Path:
-        """The folder holding the ``ssh`` stand-in; first on PATH in :meth:`env`."""
+        """The folder holding the ``ssh`` stand-in; first on PATH in :meth:`env`. Exists once the bed is up."""
+        if self.dir is None:
+            raise SetupError(f"netbed {self.prefix} is not up: its folder and ssh stand-in do not exist yet. Fix: "
+                             "use the bed inside `with NetBed(...) as bed:` (or call bed.up() first).")
         return self.dir / "bin"
 
     @property
@@ -217,7 +226,13 @@ class NetBed:
             raise
         return self
 
+    def _make_dir(self) -> Path:
+        """Creates the bed's private folder (0700, a fresh name: ``mkdtemp`` never reuses an existing path)."""
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        return self.dir
+
     def _build(self) -> None:
+        self._make_dir()
         sw = self.switch_namespace
         _run(["ip", "netns", "add", sw])
         _run(["ip", "-n", sw, "link", "add", _BRIDGE, "type", "bridge"])
@@ -287,9 +302,11 @@ esac
 if [ $# -eq 0 ]; then echo "ssh (hvrep netbed): a command is needed (no interactive shells)" >&2; exit 255; fi
 exec ip netns exec "$ns" unshare --uts -- /bin/bash -c 'hostname "$1" && exec /bin/bash -c "$2"' hvbed "$name" "$*"
 """
-        self.bin_dir.mkdir(parents=True, exist_ok=True)
-        self.ssh.write_text(script)
-        self.ssh.chmod(0o755)
+        self.bin_dir.mkdir(mode=0o700)  # inside the private folder made by _make_dir: new, or this raises
+        # O_EXCL|O_NOFOLLOW: a file (or symlink) that appeared there anyway is never written through.
+        fd = os.open(self.ssh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o700)
+        with os.fdopen(fd, "w") as f:
+            f.write(script)
 
     # --- using it ---
     def argv_on(self, host: str, argv: Sequence[str]) -> list[str]:
@@ -389,7 +406,15 @@ def _remove(prefix: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     if _NETNS_ETC.is_dir() and not any(_NETNS_ETC.iterdir()):
         _NETNS_ETC.rmdir()  # made by the bed (no system ships it); keep it when anything else lives there
-    shutil.rmtree(Path(tempfile.gettempdir()) / prefix, ignore_errors=True)
+    for folder in _folders(prefix):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _folders(prefix: str) -> list[Path]:
+    """Bed ``prefix``'s private folders (``<tmp>/<prefix>-<random>``, made by ``mkdtemp``): this user's own
+    folders only, never a symlink or what another user made under a bed's name."""
+    return [p for p in Path(tempfile.gettempdir()).glob(f"{prefix}-*")
+            if not p.is_symlink() and p.is_dir() and p.stat().st_uid == os.geteuid()]
 
 
 def leftovers(prefix: str) -> list[str]:
@@ -398,9 +423,7 @@ def leftovers(prefix: str) -> list[str]:
              if n.startswith(prefix + "-")]
     if _NETNS_ETC.is_dir():
         found += [f"{_NETNS_ETC}/{p.name}" for p in _NETNS_ETC.iterdir() if p.name.startswith(prefix + "-")]
-    folder = Path(tempfile.gettempdir()) / prefix
-    if folder.exists():
-        found.append(str(folder))
+    found += [str(p) for p in _folders(prefix)]
     return found
 
 

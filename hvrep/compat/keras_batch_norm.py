@@ -24,6 +24,18 @@ once, the first time it is asked for, with a function that calls Keras' own
 one framework class hvrep touches (STYLE.md, principle 6, names the cost):
 outside a step hvrep traces, every BatchNormalization behaves, and builds the
 same graph, as Keras' own. Remove it when Keras gains a fused path.
+
+Guards: it replaces nothing on a Keras outside the releases it was verified
+on (:mod:`hvrep.compat.keras_versions`), and an input of unknown rank keeps
+Keras' own path; each says so in one warning per process.
+
+A ``tf.function`` of your own called inside a step is traced there the first
+time, so its graph holds the fused kernel and keeps it when it is later
+called outside ``run`` with the same input signature (TensorFlow reuses a
+trace; nothing here can key it). The outputs and moving statistics are
+Keras' own up to float32 rounding either way; to have Keras' ops in that
+function outside ``run``, call it there first, or give each use its own
+``tf.function``.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from hvrep.compat import keras_versions
+
 _state = threading.local()
 _install_lock = threading.Lock()
 _keras_call: Any = None  # Keras' own BatchNormalization.call, once replaced
@@ -48,8 +62,16 @@ _FUSABLE_DTYPES = ("float16", "bfloat16", "float32")
 def fusable(layer: Any, inputs: Any, training: Any, mask: Any) -> bool:
     """True when ``layer(inputs, training, mask)`` trains a 4-D channels-last input that the fused kernel
     normalises exactly as Keras does: no mask, renorm or ``synchronized``, a Python ``training`` that is
-    true, a trainable layer. Everything else (inference included) is Keras' own path."""
-    rank = len(inputs.shape)
+    true, a trainable layer. Everything else (inference included) is Keras' own path, an input of unknown
+    rank too (with one warning)."""
+    rank = tf.TensorShape(inputs.shape).rank
+    if rank is None:
+        keras_versions.warn_once(
+            "batch_norm unknown rank",
+            f"hvrep: a BatchNormalization layer ({layer.name!r}) got an input of unknown rank: it "
+            "trains with Keras' own ops, not the fused kernel (which needs a 4-D input). Fix: "
+            "give the input a known rank (tf.ensure_shape), or Replicator(batch_norm=\"keras\") to silence this.")
+        return False
     return (
         training is not None and not tf.is_tensor(training) and bool(training) and bool(layer.trainable)
         and mask is None and rank == 4 and layer.axis in (-1, rank - 1)
@@ -97,13 +119,30 @@ def _install() -> None:
             keras.layers.BatchNormalization.call = functools.wraps(_keras_call)(_dispatching_call)
 
 
+def _verified_keras() -> bool:
+    """Whether this Keras is one the replacement was verified on; otherwise warns once."""
+    reason = keras_versions.unverified()
+    if reason is not None:
+        keras_versions.warn_once(
+            "batch_norm version",
+            f"hvrep: {reason}: keras.layers.BatchNormalization keeps Keras' own ops inside Replicator.run "
+            "(the fused path re-implements its training branch and calls the private _moments, which this Keras "
+            "may have changed). Fix: install a verified Keras (requirements.txt pins it), or pass "
+            "Replicator(batch_norm=\"keras\") to silence this.")
+    return reason is None
+
+
 @contextlib.contextmanager
 def fused_in_this_thread() -> Iterator[None]:
     """Inside, in this thread, Keras' BatchNormalization layers that can be fused train with the fused kernel.
 
     Meant around the tracing of a step (a ``tf.function``'s Python body): the
-    graph it builds keeps the fused op after the context exits. Nests.
+    graph it builds keeps the fused op after the context exits. Nests. On a
+    Keras outside the verified releases it changes nothing (one warning).
     """
+    if not _verified_keras():
+        yield
+        return
     _install()
     _state.depth = getattr(_state, "depth", 0) + 1
     try:

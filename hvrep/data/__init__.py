@@ -75,12 +75,13 @@ def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:
 
 
 def num_examples(config: DataConfig, split: str) -> int:
-    """Images in a split: files in the folder, or records in the shards (from their DALI indexes)."""
+    """Images in a split: files in the folder, or records in the shards (from their DALI indexes; tf.data also
+    counts a shard without one by reading it)."""
     from hvrep.data.files import list_folder, list_shards
 
     if config.format == "folder":
         return len(list_folder(config.data_dir, split).files)
-    return sum(list_shards(config.data_dir, split).counts)
+    return sum(list_shards(config.data_dir, split, require_index=config.backend == "dali").counts)
 
 
 def data_errors(config: DataConfig, split: str):

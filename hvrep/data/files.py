@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from hvrep.errors import DataError
 
@@ -67,15 +71,25 @@ def shard_name(split: str, index: int, count: int) -> str:
 
 @dataclass(frozen=True)
 class ShardListing:
-    """A split's TFRecord shards, their DALI index files and record counts, in shard order."""
+    """A split's TFRecord shards, their DALI index files and record counts, in shard order.
+
+    An index is "" for a shard that has none (listed with ``require_index=False``: tf.data reads such a
+    shard sequentially)."""
 
     shards: tuple[str, ...]
     indexes: tuple[str, ...]
     counts: tuple[int, ...]
+    # Each shard's index entries, (records, 2) int64 [offset, size], as read for the listing (None: no index).
+    entries: tuple[np.ndarray | None, ...] = field(default=(), compare=False, repr=False)
 
 
-def list_shards(root: str | Path, split: str) -> ShardListing:
+def list_shards(root: str | Path, split: str, require_index: bool = True) -> ShardListing:
     """The TFRecord shards of a split, their DALI index files and record counts (read once, from the indexes).
+
+    Args:
+      require_index: a shard without an index is an error (DALI's reader
+        needs them); False: it is listed with index "" and its records are
+        counted by reading it (tf.data, which then reads it whole).
 
     Raises:
       hvrep.errors.DataError: no shards, a missing shard in the numbering, or
@@ -99,13 +113,64 @@ def list_shards(root: str | Path, split: str) -> ShardListing:
         )
     index = [root / "idx" / f"{p.name}.idx" for p in expected]
     missing = [str(p) for p in index if not p.is_file()]
-    if missing:
+    if missing and require_index:
         raise DataError(
             f"DALI index files are missing: {', '.join(missing[:5])}. Fix: run `hvrep data prepare SRC {root}` "
             "again; it rewrites the index of every shard."
         )
-    counts = tuple(check_index(shard, idx) for shard, idx in zip(expected, index, strict=True))
-    return ShardListing(tuple(map(str, expected)), tuple(map(str, index)), counts)
+    entries = tuple(_checked_entries(shard, idx) if idx.is_file() else None
+                    for shard, idx in zip(expected, index, strict=True))
+    counts = tuple(len(e) if e is not None else _count_records(shard) for shard, e in zip(expected, entries,
+                                                                                        strict=True))
+    return ShardListing(tuple(map(str, expected)), tuple(str(p) if p.is_file() else "" for p in index), counts,
+                        entries)
+
+
+def _count_records(shard: Path) -> int:
+    """The records of a shard without an index: read through once."""
+    import tensorflow as tf
+
+    return int(tf.data.TFRecordDataset(str(shard)).reduce(np.int64(0), lambda n, _: n + 1))
+
+
+def index_entries(index: str | Path) -> np.ndarray:
+    """A DALI index's ``offset size`` lines as an (records, 2) int64 array (a record's bytes, framing included)."""
+    return np.asarray(Path(index).read_text().split(), dtype=np.int64).reshape(-1, 2)
+
+
+def read_records(paths: Sequence[str], which: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The serialized records at ``offsets`` (of ``sizes`` bytes, framing included, as an index gives them) in
+    ``paths[which]``, in the order given, each read by its byte offset: nothing else of the files is read.
+
+    The reads go in file and offset order (sequential on disk where the records are), and each record's length
+    field is checked against the index.
+
+    Returns:
+      An object array of ``bytes`` (the records' data, without the 12-byte header and 4-byte CRC).
+
+    Raises:
+      hvrep.errors.DataError: a record is shorter than its index says, or its length field differs (a stale
+        index), naming the file and offset.
+    """
+    out = np.empty(len(offsets), dtype=object)
+    fds: dict[int, int] = {}
+    try:
+        for j in np.lexsort((offsets, which)):
+            k = int(which[j])
+            if k not in fds:
+                fds[k] = os.open(paths[k], os.O_RDONLY)
+            offset, size = int(offsets[j]), int(sizes[j])
+            data = os.pread(fds[k], size, offset)
+            if len(data) != size or int.from_bytes(data[:8], "little") != size - 16:
+                raise DataError(
+                    f"{paths[k]}: the record at byte {offset} does not match its index entry ({size} bytes): the "
+                    "index is stale or belongs to another shard. Fix: delete the shard and its index and rerun "
+                    "`hvrep data prepare SRC DST`.")
+            out[j] = data[12:-4]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
 
 
 def check_index(shard: Path, index: Path) -> int:
@@ -117,14 +182,17 @@ def check_index(shard: Path, index: Path) -> int:
     Raises:
       hvrep.errors.DataError: a truncated shard or a stale/foreign index, naming both files.
     """
+    return len(_checked_entries(shard, index))
+
+
+def _checked_entries(shard: Path, index: Path) -> np.ndarray:
+    """:func:`check_index`'s check; returns the index's entries."""
     lines = index.read_text().split()
     size = shard.stat().st_size
-    if not lines:
-        end, count = 0, 0
-    else:
-        if len(lines) % 2:
-            raise DataError(f"index {index} is malformed (odd number of fields). Fix: rerun `hvrep data prepare`.")
-        end, count = int(lines[-2]) + int(lines[-1]), len(lines) // 2
+    if len(lines) % 2:
+        raise DataError(f"index {index} is malformed (odd number of fields). Fix: rerun `hvrep data prepare`.")
+    entries = np.asarray(lines, dtype=np.int64).reshape(-1, 2)
+    end = int(entries[-1].sum()) if len(entries) else 0
     if end != size:
         what = "truncated" if size < end else "longer than its index says"
         raise DataError(
@@ -132,4 +200,4 @@ def check_index(shard: Path, index: Path) -> int:
             f"shard is {what} or the index belongs to another shard. Fix: delete both and rerun "
             "`hvrep data prepare SRC DST` (it rewrites missing shards)."
         )
-    return count
+    return entries

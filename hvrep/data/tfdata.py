@@ -9,11 +9,12 @@ center-crop ``image_size``, normalise. The DALI pipeline applies the same.
 Training follows the epoch plan (``hvrep.data.plan``): replica r reads
 exactly its sample ids, in order, and every replica yields the same number
 of batches, so collectives stay in lockstep. A folder: only the replica's
-files are opened. TFRecords: the shards of one group at a time are read
-sequentially into memory (about ``shuffle_buffer`` records; the next group is
-read while this one is consumed) and only the planned records are parsed; by
-the plan's "by file" rule (shard count divisible by R) a replica reads only
-its own shards, by the strided rule every shard. Resuming mid-epoch
+files are opened. TFRecords: one group of shards at a time, the replica's
+planned records only, each read by its byte offset from the shard's DALI
+index (the next group is read while this one is consumed); by the plan's "by
+file" rule (shard count divisible by R) a replica reads only its own shards,
+by the strided rule its 1/R of every group. Shards without an index are read
+whole, group by group, with a warning. Resuming mid-epoch
 (``position``) drops the trained batches' ids before anything is read; the
 crop and flip of a sample are seeded by the epoch's seed and the sample id,
 so a resumed run (at any world size) augments a sample as the interrupted run
@@ -38,6 +39,7 @@ batch copy ~40 each. The pixels are pinned bit for bit by
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -46,12 +48,13 @@ import numpy as np
 import tensorflow as tf
 
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
-from hvrep.data.files import FolderListing, ShardListing, list_folder, list_shards
+from hvrep.data.files import FolderListing, ShardListing, index_entries, list_folder, list_shards, read_records
 from hvrep.data.plan import EpochPlan, EpochPosition, ReplicaShare, plan_for
 from hvrep.errors import ConfigError, DataError
 from hvrep.replica.context import InputContext
 
 AUTOTUNE = tf.data.AUTOTUNE
+_log = logging.getLogger("hvrep")
 # A training source's element -> (JPEG bytes, label, file name, sample id).
 _Load = Callable[..., tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]]
 
@@ -187,7 +190,9 @@ def _source(config: DataConfig, split: str, shards: ShardListing | None) -> tupl
 
 
 def _listing(config: DataConfig, split: str) -> FolderListing | ShardListing:
-    return list_folder(config.data_dir, split) if config.format == "folder" else list_shards(config.data_dir, split)
+    if config.format == "folder":
+        return list_folder(config.data_dir, split)
+    return list_shards(config.data_dir, split, require_index=False)  # without an index: read whole, with a warning
 
 
 def tfdata_plan(config: DataConfig, split: str = "train") -> EpochPlan:
@@ -220,11 +225,68 @@ def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare
                      label_offset: int) -> tuple[tf.data.Dataset, _Load]:
     """(serialized record, id) of the share's records, in order, and the function that parses one.
 
-    A group's shards are read once, sequentially, into memory (about
-    ``shuffle_buffer`` records, as the shuffle buffer held before; the next
-    group is read while this one is consumed); only the planned records are
-    parsed. Groups with no planned record are not read at all.
+    Records are read one group of shards at a time (the next group is read
+    while this one is consumed); groups with no planned record are not read
+    at all. Each planned record is read by its byte offset from the shard's
+    DALI index, and nothing else: under the strided rule (a shard count that
+    R does not divide: ImageNet's 1,024 shards on 24 ranks) a replica reads
+    its 1/R of each group, not the whole group (``benchmarks/tfrecord_reads.py``).
+    A listing with shards that have no index reads its groups whole and
+    keeps the planned records, as before indexes were used, with a warning.
     """
+    missing = [s for s, i in zip(listing.shards, listing.indexes, strict=True) if not i]
+    if missing:
+        _log.warning(
+            "hvrep: %d of %d TFRecord shards have no index (e.g. %s has no idx/%s.idx): tf.data reads each group "
+            "of shards whole and keeps the records this replica uses (under the strided rule, R replicas read R "
+            "times the data). Fix: rerun `hvrep data prepare SRC DST`, which writes the index with each shard it "
+            "writes (delete the unindexed shards first).", len(missing), len(listing.shards), missing[0],
+            missing[0].rsplit("/", 1)[-1])
+        return _whole_group_records(listing, plan, share, label_offset)
+    block = plan.block_of(share.ids)
+    local = share.ids - plan.starts[block]  # each id's record number in its shard
+    cuts = np.flatnonzero(np.diff(share.groups)) + 1
+    entries: dict[int, np.ndarray] = {}
+    paths, which, offsets, sizes = [], [], [], []
+    for shards_of, records in zip(np.split(block, cuts), np.split(local, cuts), strict=True):
+        shards, where = np.unique(shards_of, return_inverse=True)
+        at = np.empty((len(records), 2), np.int64)
+        for k in shards:
+            if k not in entries:  # as the listing read them, or from the index file
+                known = listing.entries[k] if listing.entries else None
+                entries[k] = known if known is not None else index_entries(listing.indexes[k])
+            mine = shards_of == k
+            at[mine] = entries[k][records[mine]]
+        paths.append(np.asarray([listing.shards[k] for k in shards], dtype=object).astype(bytes))
+        which.append(where.astype(np.int64))
+        offsets.append(at[:, 0])
+        sizes.append(at[:, 1])
+
+    def ragged(parts: list[np.ndarray]) -> tf.RaggedTensor:
+        return tf.RaggedTensor.from_row_lengths(np.concatenate(parts), [len(p) for p in parts])
+
+    loads = tf.data.Dataset.from_tensor_slices((ragged(paths), ragged(which), ragged(offsets), ragged(sizes),
+                                                ragged(np.split(share.ids, cuts))))
+
+    def read(paths: np.ndarray, which: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        return read_records([p.decode() for p in paths], which, offsets, sizes)
+
+    def load(paths: tf.Tensor, which: tf.Tensor, offsets: tf.Tensor, sizes: tf.Tensor,
+             ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        # One call reads the group's planned records (os.pread releases the GIL while it waits for the disk).
+        records = tf.numpy_function(read, [paths, which, offsets, sizes], tf.string)
+        return tf.ensure_shape(records, [None]), ids
+
+    def emit(records: tf.Tensor, ids: tf.Tensor) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((records, ids))
+
+    return loads.map(load).prefetch(1).flat_map(emit), lambda rec, i: (*_parse_record(rec, label_offset), i)
+
+
+def _whole_group_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare,
+                         label_offset: int) -> tuple[tf.data.Dataset, _Load]:
+    """:func:`_planned_records` for shards without an index: a group's shards are read once, sequentially, into
+    memory (about ``shuffle_buffer`` records) and only the planned records are parsed."""
     counts = np.asarray(listing.counts, np.int64)
     block = plan.block_of(share.ids)
     cuts = np.flatnonzero(np.diff(share.groups)) + 1
@@ -337,7 +399,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         ds = ds.map(train_map, num_parallel_calls=AUTOTUNE, deterministic=True)
         ds = ds.batch(b, drop_remainder=True)
     else:
-        shards = list_shards(config.data_dir, split) if config.format == "tfrecord" else None
+        shards = list_shards(config.data_dir, split, require_index=False) if config.format == "tfrecord" else None
         source, n = _source(config, split, shards)
         mine = len(range(r, n, n_rep))
         padded = math.ceil(math.ceil(n / n_rep) / b) * b  # the same on every replica

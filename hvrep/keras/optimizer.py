@@ -24,6 +24,13 @@ itself. Either way the result is a ``LossScaleOptimizer`` instance, so
 ``LossScaleOptimizer(DistributedOptimizer(opt))`` (also what ``compile`` makes
 when only the model, not the global policy, is mixed_float16), is refused
 when it is built, with the fix.
+
+That refusal rests on Keras internals (``LossScaleOptimizer``'s constructor
+setting its inner optimizer's ``loss_scale_factor`` to None, and Keras skipping
+the assignment of a value an attribute already holds), verified on the Keras
+releases of ``hvrep.compat.keras_versions``. On another Keras the wrapper
+warns once, and where it can see the sign missing (a ``LossScaleOptimizer``
+that did not set it) it says so too: the wrong order may then go unrefused.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import keras
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
+from hvrep.compat import keras_versions
 from hvrep.errors import ConfigError
 from hvrep.replica import api
 
@@ -44,6 +52,25 @@ _Optimizer = keras.optimizers.Optimizer
 
 def _mixed_float16() -> bool:
     return keras.config.dtype_policy().name == "mixed_float16"
+
+
+def _check_loss_scale_reliance(optimizer: Any) -> None:
+    """Warns once when the refusal of ``LossScaleOptimizer(DistributedOptimizer(opt))`` may not hold here: a Keras
+    outside the verified releases, or a ``LossScaleOptimizer`` seen not to mark its inner optimizer."""
+    reason = keras_versions.unverified()
+    if reason is None and isinstance(optimizer, LossScaleOptimizer) and optimizer.inner_optimizer.loss_scale_factor \
+            is not None:
+        reason = ("this Keras' LossScaleOptimizer no longer sets its inner optimizer's loss_scale_factor to None "
+                  f"(it holds {optimizer.inner_optimizer.loss_scale_factor!r})")
+    if reason is not None:
+        keras_versions.warn_once(
+            "DistributedOptimizer loss scaling",
+            f"hvrep: {reason}: hvrep.keras.DistributedOptimizer recognises the wrong wrapping order, "
+            "LossScaleOptimizer(DistributedOptimizer(opt)), by a Keras internal (LossScaleOptimizer setting the "
+            "wrapped optimizer's loss_scale_factor to None) and may not refuse it here; in that order each "
+            "replica's finite-gradient check sees its own gradients and Horovod can hang. Fix: put the loss "
+            "scaler inside, DistributedOptimizer(LossScaleOptimizer(opt), repl) (or set the mixed_float16 global "
+            "policy before creating it), or install a verified Keras (requirements.txt pins it).")
 
 
 @keras.saving.register_keras_serializable(package="hvrep")
@@ -84,6 +111,7 @@ class DistributedOptimizer(_Optimizer):
                               "Fix: DistributedOptimizer(optimizer, hvrep.Replicator()).")
         if isinstance(self, LossScaleOptimizer) and not isinstance(optimizer, LossScaleOptimizer):
             optimizer = LossScaleOptimizer(optimizer)
+        _check_loss_scale_reliance(optimizer)
         _Optimizer.__init__(self, learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
         self._replicator = replicator
@@ -152,7 +180,7 @@ class DistributedOptimizer(_Optimizer):
                 "not run it on the Replicator's devices. Fix: create and compile the model inside "
                 "`with repl.scope():`."
             )
-        return list(repl.all_reduce(list(grads), op))
+        return list(repl.all_reduce(list(grads), op, compress=True))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         if not self.built:

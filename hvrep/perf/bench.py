@@ -118,7 +118,7 @@ def throughput(model_name: str = "small_resnet", per_replica_batch: int = 32, im
 
     def step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
         loss, grads = compute(xb, yb)
-        opt.apply_gradients(zip(hvrep.all_reduce(grads, "mean"), model.trainable_variables, strict=True))
+        opt.apply_gradients(zip(hvrep.all_reduce(grads, "mean", compress=True), model.trainable_variables, strict=True))
         return loss
 
     def hvrep_step() -> None:
@@ -168,7 +168,7 @@ def throughput(model_name: str = "small_resnet", per_replica_batch: int = 32, im
     # --- step-time breakdown (hvrep), phases synchronised one by one ---
     compute_fn = tf.function(compute)
     _, grads = compute_fn(x, y)
-    reduce_fn = lambda gs: hvrep.all_reduce(gs, "mean")  # noqa: E731
+    reduce_fn = lambda gs: hvrep.all_reduce(gs, "mean", compress=True)  # noqa: E731
     repl.run(reduce_fn, args=(grads,))
     k = max(3, steps // 2)
     def one_compute() -> None:

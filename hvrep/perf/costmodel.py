@@ -245,7 +245,7 @@ def collectives_for(grad_bytes: float, tensors: int, fusion_threshold_bytes: int
 
     0 as the threshold means no fusion (one collective per tensor). Otherwise
     ceil(bytes / threshold), at least 1 and at most one per tensor: an estimate,
-    since real buckets also close at tensor boundaries (hvrep.fusion.plan_buckets
+    since real buckets also close at tensor boundaries (hvrep.replica.fusion.plan_buckets
     gives the exact count for real shapes).
     """
     _check_int("tensors", tensors, 1)

@@ -1,4 +1,4 @@
-"""``python -m hvrep.summary RUN [BASELINE...]``: what a training run did, from its metrics.jsonl.
+"""``python -m hvrep.perf.summary RUN [BASELINE...]``: what a training run did, from its metrics.jsonl.
 
 With 1-replica BASELINE runs of the same configuration it adds the scaling
 efficiency against each: images/s of RUN / (replicas x images/s of BASELINE),

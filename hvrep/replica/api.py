@@ -52,7 +52,12 @@ class Replicator:
         no mask, renorm or ``synchronized``, Keras' own moments), Keras' own
         ops elsewhere. "keras": Keras' own ops everywhere. Steps outside
         ``run`` (``model.fit``, your own ``tf.function``) are Keras' own
-        either way; ``hvrep.layers.FusedBatchNormalization`` fuses there.
+        either way; ``hvrep.layers.FusedBatchNormalization`` fuses there. A
+        ``tf.function`` of your own first traced inside ``run`` keeps the
+        fused graph when called outside it (TensorFlow reuses the trace). On
+        a Keras outside the releases it was verified on
+        (``hvrep.compat.keras_versions``) "fused" keeps Keras' ops, with one
+        warning.
 
     Several Replicators may exist in one process (e.g. with different
     configs); the collectives act on the one whose ``run`` is executing.
@@ -158,14 +163,15 @@ class Replicator:
         """
         return self._backend.reduce(value, check_op(op))
 
-    def all_reduce(self, value: Any, op: str) -> Any:
+    def all_reduce(self, value: Any, op: str, *, compress: bool = False) -> Any:
         """``hvrep.all_reduce`` for a step this Replicator does not run itself: code traced by someone else's
         compiled function (Keras' ``fit`` train step), where ``run`` is not on the stack.
 
         Call it from inside that traced step, on every replica alike, as a collective inside ``run``.
+        ``compress``: as ``hvrep.all_reduce``'s (gradients only).
         """
         with self._backend.replica_section():
-            return collectives.all_reduce(value, check_op(op))
+            return collectives.all_reduce(value, check_op(op), compress=compress)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         """Eagerly overwrites ``variables`` (tf or Keras variables, the same list in the same order on every

@@ -9,7 +9,7 @@ import tensorflow as tf
 from hvrep.replica.context import check_op, live_backend
 
 
-def all_reduce(value: Any, op: str) -> Any:
+def all_reduce(value: Any, op: str, *, compress: bool = False) -> Any:
     """Reduces a nest of tensors across replicas; every replica gets the result.
 
     Args:
@@ -17,15 +17,23 @@ def all_reduce(value: Any, op: str) -> Any:
         as gradients of unused variables do).
       op: "sum", "mean", "max" or "min". Integer "mean" keeps the integer dtype
         (floor division).
+      compress: send floating-point sum/mean in ``CommConfig.compression``'s
+        dtype (fp16/bf16). For gradients: ``wrap_optimizer``,
+        ``hvrep.keras.DistributedOptimizer`` and the training app's step pass
+        True; pass it for your own ``all_reduce(grads, "mean")``. False
+        (default): every value travels in its own dtype, whatever the config:
+        statistics, counts and metrics must not be rounded to fp16, whose
+        largest value is 65,504 (a batch norm's count of 64x32x32 = 65,536
+        positions would become inf).
 
     Floating-point sum/mean go through fused buffers (``CommConfig``'s fusion
-    threshold and compression); other cases issue one collective per tensor.
+    threshold); other cases issue one collective per tensor.
     """
     backend = live_backend()
     check_op(op)
     flat = tf.nest.flatten(value)
     idx = [i for i, v in enumerate(flat) if v is not None]
-    reduced = backend.all_reduce([tf.convert_to_tensor(flat[i]) for i in idx], op)
+    reduced = backend.all_reduce([tf.convert_to_tensor(flat[i]) for i in idx], op, compress=compress)
     out = list(flat)
     for i, r in zip(idx, reduced, strict=True):
         out[i] = r

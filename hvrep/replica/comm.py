@@ -48,15 +48,26 @@ class CommConfig:
         step while it waits for them. False: it busy-polls (Open MPI's
         default unless a node is oversubscribed). None: hvrep sets nothing.
         A value the user exported (or ``mpirun --mca mpi_yield_when_idle``)
-        wins. Open MPI reads it once, when MPI starts: a Replicator created
-        after MPI started (``from mpi4py import MPI``, the user's own
-        ``hvd.init()``) cannot set it and says so. Horovod's MPI controller
-        only (mpirun, horovodrun without --gloo, srun with Open MPI); Gloo
-        and NCCL do not read it. ResNet-50 on 2 ranks that keep both cores of
-        a machine busy ran 1.57x as fast as with Open MPI's busy polling
-        (README, "Throughput against plain Horovod").
-      compression: "none", "fp16" or "bf16": the dtype floating-point
-        buffers travel in. fp16 halves the bytes on every backend. bf16 keeps
+        wins, and so does a site's: where an Open MPI parameter file
+        (``$OMPI_HOME/etc/openmpi-mca-params.conf``,
+        ``~/.openmpi/mca-params.conf`` or those ``OMPI_MCA_param_files``
+        names) sets ``mpi_yield_when_idle``, hvrep exports nothing. Open MPI
+        reads it once, when MPI starts: a Replicator created after MPI
+        started (``from mpi4py import MPI``, the user's own ``hvd.init()``)
+        cannot set it and says so. Horovod's MPI controller only (mpirun,
+        horovodrun without --gloo, srun with Open MPI); Gloo and NCCL do not
+        read it. This is Open MPI's own setting, not an hvrep algorithm: on
+        2 ranks that keep both cores of a machine busy, ResNet-50 ran 1.58x
+        as fast as plain Horovod with Open MPI's stock busy polling, and at
+        parity (0.99x) when Horovod's job yields too
+        (``mpirun -x OMPI_MCA_mpi_yield_when_idle=1``; README, "Throughput
+        against plain Horovod").
+      compression: "none", "fp16" or "bf16": the dtype gradient buffers
+        travel in: the floating-point sum/mean of the reductions that ask for
+        it (``all_reduce(..., compress=True)``: ``wrap_optimizer``,
+        ``hvrep.keras.DistributedOptimizer``, the training app's step), never
+        statistics, counts, metrics or other values (fp16's largest value is
+        65,504). fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
         refuses it (see README, "Backends and what they support").
       num_groups: 0 to bucket by ``fusion_threshold_bytes``; N > 0 to split

@@ -76,7 +76,9 @@ def fused_reduce(
     """Reduces ``tensors`` through one ``reduce_buffer`` call per bucket.
 
     Args:
-      tensors: floating-point tensors of any shapes.
+      tensors: floating-point tensors of any shapes. One whose shape is not
+        fully known when traced (a dynamic batch dimension) is reduced on its
+        own, unfused: a fused buffer's layout is fixed when it is traced.
       reduce_buffer: reduces one rank-1 buffer across replicas (one collective).
       threshold: bucket size limit in bytes (see :func:`plan_buckets`).
       num_groups: see :func:`plan_buckets`.
@@ -91,16 +93,18 @@ def fused_reduce(
     if not tensors:
         return []
     wire = [wire_dtype or t.dtype for t in tensors]
-    nbytes = [int(t.shape.num_elements() or 0) * w.size for t, w in zip(tensors, wire, strict=True)]
     out: list[tf.Tensor | None] = [None] * len(tensors)
     # Gradients arrive in variable (forward) order; the backward pass produces
     # them last layer first, so buckets are planned in reverse, as Horovod and
     # PyTorch DDP do: the first bucket is the first one whose gradients are ready.
     order = list(reversed(range(len(tensors))))
-    plan = plan_buckets([nbytes[i] for i in order], [wire[i] for i in order], threshold, num_groups)
-    for bucket in ([order[j] for j in b] for b in plan):
+    fixed = [i for i in order if tensors[i].shape.is_fully_defined()]
+    nbytes = [int(tensors[i].shape.num_elements()) * wire[i].size for i in fixed]
+    plan = [[fixed[j] for j in b] for b in plan_buckets(nbytes, [wire[i] for i in fixed], threshold, num_groups)]
+    plan += [[i] for i in order if not tensors[i].shape.is_fully_defined()]
+    for bucket in plan:
         parts = [tensors[i] for i in bucket]
-        if len(parts) > 1 and all(t.shape.is_fully_defined() for t in parts):
+        if len(parts) > 1:  # only fully known shapes share a bucket
             # One op packs (scale, cast, copy) the bucket and one unpacks it
             # (hvrep.kernels: fused C++/CUDA where built, the same TF ops as
             # below elsewhere), instead of 2-3 small ops per tensor.
@@ -109,14 +113,9 @@ def fused_reduce(
             for i, piece in zip(bucket, pieces, strict=True):
                 out[i] = piece
             continue
-        flat = []
-        for i, t in zip(bucket, parts, strict=True):
-            scaled = t if prescale is None else t * tf.cast(prescale, t.dtype)
-            flat.append(tf.reshape(tf.cast(scaled, wire[i]), [-1]))
-        buffer = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
-        reduced = reduce_buffer(buffer)
-        sizes = [int(tensors[i].shape.num_elements()) for i in bucket]
-        pieces = [reduced] if len(bucket) == 1 else tf.split(reduced, sizes)
-        for i, piece in zip(bucket, pieces, strict=True):
-            out[i] = tf.reshape(tf.cast(piece, tensors[i].dtype), tf.shape(tensors[i]))
+        # One tensor alone: reshaped with its runtime shape, so an unknown shape works too.
+        (i,), (t,) = bucket, parts
+        scaled = t if prescale is None else t * tf.cast(prescale, t.dtype)
+        reduced = reduce_buffer(tf.reshape(tf.cast(scaled, wire[i]), [-1]))
+        out[i] = tf.reshape(tf.cast(reduced, t.dtype), tf.shape(t))
     return out  # type: ignore[return-value]

@@ -58,7 +58,7 @@ class CrossReplicaOptimizer:
         pairs = list(grads_and_vars)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         if self.accumulation_steps == 1:
-            grads = collectives.all_reduce(grads, "mean")
+            grads = collectives.all_reduce(grads, "mean", compress=True)
             return self.inner.apply_gradients(zip(grads, variables, strict=True), **kwargs)
         return self._accumulate(grads, variables, **kwargs)
 
@@ -70,7 +70,7 @@ class CrossReplicaOptimizer:
         replica, one copy of which a checkpoint can hold, valid at any world size.
         """
         if self.accumulation is not None:
-            mean = collectives.all_reduce(list(self.accumulation.accumulators), "mean")
+            mean = collectives.all_reduce(list(self.accumulation.accumulators), "mean", compress=True)
             for acc, m in zip(self.accumulation.accumulators, mean, strict=True):
                 acc.assign(m)
 
@@ -88,7 +88,7 @@ class CrossReplicaOptimizer:
 
         def update() -> tf.Tensor:
             # Every replica reaches the same micro-step, so all take this branch together.
-            mean = collectives.all_reduce([acc / k for acc in state.accumulators], "mean")
+            mean = collectives.all_reduce([acc / k for acc in state.accumulators], "mean", compress=True)
             self.inner.apply_gradients(zip(mean, variables, strict=True), **kwargs)
             for acc in state.accumulators:
                 acc.assign(tf.zeros_like(acc))

@@ -94,7 +94,7 @@ class Runner:
         if self._applier is not None:
             self._applier.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
             return loss, correct
-        grads = hvrep.all_reduce(grads, "mean")
+        grads = hvrep.all_reduce(grads, "mean", compress=True)
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
         return loss, correct
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,6 +106,36 @@ def test_hosts_reach_each_other_by_name_over_shaped_links_and_teardown_leaves_no
         assert (after["h1"] - before["h1"]).tx_bytes >= nbytes
         assert (after["h2"] - before["h2"]).rx_bytes >= nbytes
     assert netbed.leftovers(prefix) == []
+
+
+@pytest.mark.parametrize("planted", ["folder", "symlink"])
+def test_a_folder_or_symlink_planted_at_the_beds_predictable_path_is_never_used(planted, tmp_path):
+    # Root runs the bed's ssh stand-in: a local user who made /tmp/hvbed-<pid>-<n> (or a symlink there) first
+    # must not choose what root executes or where it writes.
+    b = netbed.NetBed(hosts=1, link_gbit=None)
+    trap = Path(tempfile.gettempdir()) / b.prefix
+    victim = tmp_path / "victim"
+    (victim / "bin").mkdir(parents=True)
+    (victim / "bin" / "ssh").write_text("#!/bin/sh\necho planted\n")
+    if planted == "folder":
+        shutil.copytree(victim, trap)
+    else:
+        trap.symlink_to(victim, target_is_directory=True)
+    try:
+        with b:
+            assert b.dir is not None and b.dir != trap and not b.dir.is_symlink()
+            assert b.dir.stat().st_mode & 0o777 == 0o700 and b.ssh.is_relative_to(b.dir)
+            assert b.ssh.read_text().startswith("#!/bin/bash\n# ssh stand-in of the hvrep netbed")
+            assert b.env()["PATH"].startswith(f"{b.dir}/bin:")
+        for folder in ((victim,) if planted == "symlink" else (victim, trap)):
+            assert (folder / "bin" / "ssh").read_text() == "#!/bin/sh\necho planted\n"
+        assert trap.is_symlink() == (planted == "symlink")
+        assert netbed.leftovers(b.prefix) == []  # the bed's own folder went; the planted one is not the bed's
+    finally:
+        if trap.is_symlink():
+            trap.unlink()
+        else:
+            shutil.rmtree(trap, ignore_errors=True)
 
 
 def test_teardown_when_the_body_raises_and_cleanup_of_a_killed_owner():

@@ -3,6 +3,8 @@ work on Keras 3 variables under both launchers, and hvrep resolves the same
 placement Horovod does. Runs on every rank (see runner.py); fails by raising.
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -78,3 +80,28 @@ def case_allgather_uneven_first_dimension():
     x = tf.fill((r + 1, 2), float(r))
     out = hvd.allgather(x, name="c.uneven").numpy()
     np.testing.assert_array_equal(out, [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+
+
+def case_horovod_settings_after_the_users_own_hvd_init_are_refused():
+    # runner.py called hvd.init() itself, as a user may, and this module runs before any Replicator of the
+    # launch: Horovod has read its settings, so a CommConfig asking for others must be refused, not recorded.
+    import hvrep
+    from hvrep.errors import ConfigError
+    from hvrep.replica.backends import horovod as backend
+
+    assert backend._started_with is None, "a Replicator ran before this case: it no longer tests a user's hvd.init()"
+    assert hvd.is_initialized()
+    for field, value in (("horovod_fusion_threshold_bytes", 8 << 20), ("cycle_time_ms", 7.5)):
+        try:
+            hvrep.Replicator("horovod", config=hvrep.CommConfig(**{field: value}))
+        except ConfigError as e:
+            assert f"{field}={value!r}" in str(e) and "hvd.init()" in str(e) and "Fix:" in str(e), e
+        else:
+            raise AssertionError(f"{field}={value!r} was accepted after Horovod had started")
+        assert backend._started_with is None  # nothing recorded as applied
+    for name in ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME"):
+        assert name not in os.environ, name  # and nothing written after the fact
+    # Settings it does not ask for: the Replicator runs on the Horovod the user started.
+    r = hvrep.Replicator("horovod")
+    assert r.num_replicas == 2 and backend._started_with is not None
+    r.close()

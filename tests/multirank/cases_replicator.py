@@ -177,11 +177,28 @@ def case_fp16_compression_is_within_fp16_precision():
     rng = np.random.default_rng(_rank())
     mine = [rng.normal(size=s).astype(np.float32) for s in [(64, 32), (32,), (5, 5, 3)]]
     with replicator_with(hvrep.CommConfig(compression="fp16")) as r:
-        got = r.run(lambda xs: hvrep.all_reduce(xs, "mean"), args=([tf.constant(m) for m in mine],))
+        got = r.run(lambda xs: hvrep.all_reduce(xs, "mean", compress=True), args=([tf.constant(m) for m in mine],))
         exact = r.run(lambda xs: [hvrep.all_gather(x[None], 0) for x in xs], args=([tf.constant(m) for m in mine],))
     for g, e in zip(got, exact, strict=True):
         assert g.dtype == tf.float32
         np.testing.assert_allclose(g.numpy(), e.numpy().mean(axis=0), rtol=2e-3, atol=2e-3)
+
+
+def case_fp16_compression_never_reaches_cross_replica_batch_norms_statistics():
+    # 64 x 32 x 32 positions per rank: a count of 65,536, past fp16's largest value (65,504); compressed, the
+    # output was NaN. Compression is for gradients (compress=True); statistics travel in float32.
+    x = np.random.default_rng(5 + _rank()).normal(1.0, 2.0, size=(64, 32, 32, 2)).astype(np.float32)
+    outs = {}
+    for compression in ("none", "fp16"):
+        with replicator_with(hvrep.CommConfig(compression=compression)) as r:
+            with r.scope():
+                crbn = hvrep.layers.CrossReplicaBatchNorm(momentum=0.5)
+                crbn.build((None, 32, 32, 2))
+            outs[compression] = r.run(lambda t, crbn=crbn: crbn(t, training=True), args=(tf.constant(x),)).numpy()
+            outs[compression + " moving_variance"] = crbn.moving_variance.numpy()
+    assert np.isfinite(outs["fp16"]).all()
+    np.testing.assert_array_equal(outs["fp16"], outs["none"])
+    np.testing.assert_array_equal(outs["fp16 moving_variance"], outs["none moving_variance"])
 
 
 def case_bf16_compression_is_refused_on_horovod_with_the_fix():

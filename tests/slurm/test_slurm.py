@@ -152,6 +152,18 @@ def _job_ranks(job: int) -> dict[int, psutil.Process]:
     return found
 
 
+def _resumed_after_a_signal(first: list[dict], second: list[dict], out: Path) -> dict:
+    """Checks that run ``first`` stopped on a signal with a checkpoint and ``second`` resumed at the next step from
+    it; returns the first run's ``final`` event."""
+    signalled = first[-1]
+    assert signalled["event"] == "final" and signalled["stopped"] == "signal" and signalled["epoch"] < 50, signalled
+    checkpoint = Path(signalled["checkpoint"])
+    assert checkpoint.name == f"ckpt-{signalled['step']:08d}" and checkpoint.parent == out / "checkpoints"
+    assert second[0]["resumed_from"] == str(checkpoint), second[0]
+    assert next(e["step"] for e in second if e["event"] == "train") == signalled["step"] + 1
+    return signalled
+
+
 def test_preemptible_job_requeues_on_usr1_then_on_a_hung_rank_and_resumes_each_time(slurm, demo_data, tmp_path):
     # One job, three starts (the two requeue paths share one job: one first start fewer on the CI clock).
     # Start 1: USR1, as `#SBATCH --signal=USR1@120` sends before the time limit (to every step, not the batch shell):
@@ -187,12 +199,7 @@ def test_preemptible_job_requeues_on_usr1_then_on_a_hung_rank_and_resumes_each_t
     assert int(info["Restarts"]) == 2, info
     first, second, third = _runs(out)[:3]
     # Start 1 -> 2: USR1's clean stop, resumed at the next step.
-    signalled = first[-1]
-    assert signalled["event"] == "final" and signalled["stopped"] == "signal" and signalled["epoch"] < 50, signalled
-    checkpoint = Path(signalled["checkpoint"])
-    assert checkpoint.name == f"ckpt-{signalled['step']:08d}" and checkpoint.parent == out / "checkpoints"
-    assert second[0]["resumed_from"] == str(checkpoint), second[0]
-    assert next(e["step"] for e in second if e["event"] == "train") == signalled["step"] + 1
+    signalled = _resumed_after_a_signal(first, second, out)
     # Start 2 -> 3: the watchdog's timeout naming the stopped rank; resumed from start 2's last complete checkpoint.
     timed_out = second[-1]
     assert timed_out["event"] == "final" and timed_out["stopped"] == "timeout", timed_out
@@ -231,12 +238,7 @@ def test_preemptible_job_trains_with_model_fit_stops_on_usr1_and_resumes_after_t
     assert int(info["Restarts"]) == 1, info
     first, second = _runs(out)[:2]
     assert first[0]["fast_path"]["loop"] == "fit" and second[0]["fast_path"]["loop"] == "fit", first[0]
-    signalled = first[-1]
-    assert signalled["event"] == "final" and signalled["stopped"] == "signal" and signalled["epoch"] < 50, signalled
-    checkpoint = Path(signalled["checkpoint"])
-    assert checkpoint.name == f"ckpt-{signalled['step']:08d}" and checkpoint.parent == out / "checkpoints"
-    assert second[0]["resumed_from"] == str(checkpoint), second[0]
-    assert next(e["step"] for e in second if e["event"] == "train") == signalled["step"] + 1
+    _resumed_after_a_signal(first, second, out)
     assert f"checkpoint saved; requeueing job {job}" in log.read_text(), slurm.describe(job)
     try:
         slurm.wait(job, 120)

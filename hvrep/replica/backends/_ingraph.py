@@ -54,18 +54,39 @@ _PER_REPLICA_EXCEPTIONS = frozenset({"StatefulPartitionedCall"})
 
 
 class _Marks:
-    """Tensors hvrep's all_reduce returned, and the test "is this value derived only from them"."""
+    """Tensors hvrep's all_reduce returned, and the test "is this value derived only from them".
+
+    A value is tested while the step that reduced its inputs is being traced, so only the marks of the graphs
+    being built now are kept: marking a tensor forgets those of every graph that is neither its graph nor one
+    of that graph's outer graphs. A mark holds its tensor and so its whole graph; kept for the backend's life,
+    every traced step's graph would stay alive with it.
+    """
 
     def __init__(self) -> None:
-        self._refs: set[Any] = set()
+        self._by_graph: dict[int, set[Any]] = {}  # id(graph) -> refs of its marked tensors
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_graph.values()))
 
     def add(self, t: tf.Tensor) -> None:
-        self._refs.add(t.ref())
+        graph = getattr(t, "graph", None)  # None for an eager tensor, which nothing is derived from in a trace
+        if graph is None:
+            return
+        building = set()
+        while graph is not None:
+            building.add(id(graph))
+            graph = getattr(graph, "outer_graph", None)
+        for key in [k for k in self._by_graph if k not in building]:
+            del self._by_graph[key]
+        self._by_graph.setdefault(id(t.graph), set()).add(t.ref())
+
+    def _marked(self, t: Any) -> bool:
+        return any(t.ref() in refs for refs in self._by_graph.values())
 
     def has(self, value: Any) -> bool:
         """True if every replica's part of ``value`` is an hvrep-reduced value or computed only from such values,
         constants and variable reads (so it already holds the all-replica result)."""
-        if not self._refs:
+        if not self._by_graph:
             return False
         parts = value.values if isinstance(value, tf_values.DistributedValues) else (value,)
         return all(self._derived_from_marks(p) for p in parts)
@@ -73,7 +94,7 @@ class _Marks:
     def _derived_from_marks(self, t: Any) -> bool:
         if not isinstance(t, tf.Tensor) or not hasattr(t, "graph") or tf.executing_eagerly():
             return False
-        if t.ref() in self._refs:
+        if self._marked(t):
             return True
         captures: dict[int, dict[Any, Any]] = {}
         seen: set[Any] = set()
@@ -84,7 +105,7 @@ class _Marks:
             if x.ref() in seen:
                 continue
             seen.add(x.ref())
-            if x.ref() in self._refs:
+            if self._marked(x):
                 saw_mark = True
                 continue
             if not hasattr(x, "op"):  # an eager tensor captured from outside: a constant
@@ -300,8 +321,8 @@ class InGraphBackend(Backend):
             raise CollectiveError("in-graph collective called in cross-replica context; call it inside run().")
         return ctx
 
-    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
-        out = super().all_reduce(tensors, op)
+    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str, compress: bool = False) -> list[tf.Tensor]:
+        out = super().all_reduce(tensors, op, compress)
         for r in out:
             self._marks.add(r)
         return out

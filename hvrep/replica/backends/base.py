@@ -136,8 +136,6 @@ class Backend(abc.ABC):
         self.config = config
         # Collectives issued, for tests and reports (counted when traced).
         self.collective_calls = 0
-        # Not thread-local: MirroredStrategy runs each replica's fn in its own thread.
-        self._run_depth = 0
         # How Keras' BatchNormalization layers train in a step ``run`` traces: "fused" or "keras"
         # (the Replicator sets it; see Replicator's batch_norm).
         self.batch_norm = "fused"
@@ -192,8 +190,9 @@ class Backend(abc.ABC):
     def reduce(self, value: Any, op: str) -> Any: ...
 
     # In-replica collectives, on flat lists (the public functions handle nests).
-    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str) -> list[tf.Tensor]:
-        """Floating-point sum/mean through fused buffers (``CommConfig``); the rest one collective per tensor."""
+    def all_reduce(self, tensors: Sequence[tf.Tensor], op: str, compress: bool = False) -> list[tf.Tensor]:
+        """Floating-point sum/mean through fused buffers (``CommConfig``; in its compression dtype when
+        ``compress``: gradients only); the rest one collective per tensor."""
         check_op(op)
         self._on_collective("all_reduce", tensors, op)
         n = self.num_replicas
@@ -206,7 +205,7 @@ class Backend(abc.ABC):
 
             reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
                                           self.fusion_threshold_bytes, self.config.num_groups,
-                                          wire_dtype=WIRE_DTYPES[self.config.compression],
+                                          wire_dtype=WIRE_DTYPES[self.config.compression] if compress else None,
                                           prescale=1.0 / n if op == "mean" else None)
             for i, r in zip(floats, reduced, strict=True):
                 out[i] = r
@@ -250,16 +249,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def replica_id(self) -> tf.Tensor | int: ...
 
-    # Whether the caller is inside `run` (collectives are only legal there).
-    @property
-    def in_replica(self) -> bool:
-        return self._run_depth > 0
-
     @contextlib.contextmanager
     def replica_section(self) -> Iterator[None]:
-        self._run_depth += 1
-        try:
-            with context.activated(self):
-                yield
-        finally:
-            self._run_depth -= 1
+        """This backend is the live one (what the module-level collectives act on) inside."""
+        with context.activated(self):
+            yield

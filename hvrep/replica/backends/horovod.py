@@ -106,8 +106,21 @@ def _mpi_started(hvd: Any) -> bool:
     return mpi is not None and bool(mpi.Is_initialized())
 
 
-def _start_horovod(hvd: Any, config: CommConfig) -> None:
-    """``hvd.init()`` with CommConfig's Horovod and MPI settings, or a refusal if Horovod already runs with others."""
+def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = False) -> None:
+    """``hvd.init()`` with CommConfig's Horovod and MPI settings, or a refusal where they cannot apply.
+
+    Horovod reads ``horovod_fusion_threshold_bytes`` and ``cycle_time_ms``
+    once, when it starts. Refused: other values for a later Replicator, and
+    any value when Horovod was started before the first Replicator (the
+    user's own ``hvd.init()``): written to the environment then, they would
+    be recorded as applied while Horovod ignores them.
+
+    Args:
+      started_by_hvrep: Horovod runs because hvrep's own code started it,
+        having set the knobs before (elastic training re-forms the world with
+        ``hvd.shutdown()`` and ``hvd.init()``): recorded, not refused.
+        hvrep-internal; users never pass it.
+    """
     global _started_with, _yield_asked
     wanted = {_env.HOROVOD_FUSION_THRESHOLD: config.horovod_fusion_threshold_bytes,
               _env.HOROVOD_CYCLE_TIME: config.cycle_time_ms,
@@ -123,6 +136,18 @@ def _start_horovod(hvd: Any, config: CommConfig) -> None:
                 "None in later ones."
             )
         return
+    if hvd.is_initialized() and not started_by_hvrep:
+        # Started outside hvrep: what Horovod read is what the environment held then, which is now.
+        running = _env.horovod_knobs()
+        clashes = [f"{_FIELDS[k]}={wanted[k]!r} (Horovod runs with {k}={running[k] or 'its default'})"
+                   for k in running if wanted[k] is not None and not _same(k, wanted[k], running[k])]
+        if clashes:
+            raise ConfigError(
+                f"this Replicator's CommConfig asks for {', '.join(clashes)}, but Horovod was started before "
+                "any Replicator (an hvd.init() of your own) and read its settings then: they would be silently "
+                "ignored. Fix: create the Replicator before calling hvd.init() (it starts Horovod with them), or "
+                "export the variables before hvd.init(), or leave them None in the CommConfig."
+            )
     mpi_started = _mpi_started(hvd)
     _yield_asked = config.mpi_yield_when_idle
     _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms,
@@ -134,10 +159,10 @@ def _start_horovod(hvd: Any, config: CommConfig) -> None:
         _log.warning(
             "hvrep: MPI started before this Replicator, so CommConfig(mpi_yield_when_idle=True) could not "
             "reach Open MPI: a rank waiting in MPI (Horovod's background thread, once a cycle) busy-polls a "
-            "core the training step could use (ResNet-50 on busy CPU cores ran 1.6x as fast yielding; README, "
-            "\"Throughput against plain Horovod\"). Fix: create the Replicator before `from mpi4py import "
-            "MPI` or hvd.init(), or launch with `mpirun --mca mpi_yield_when_idle 1` (or export "
-            "OMPI_MCA_mpi_yield_when_idle=1); pass mpi_yield_when_idle=None to silence this.")
+            "core the training step could use (Open MPI's yielding: ResNet-50 on busy CPU cores ran 1.58x as "
+            "fast as busy polling; README, \"Throughput against plain Horovod\"). Fix: create the Replicator "
+            "before `from mpi4py import MPI` or hvd.init(), or launch with `mpirun --mca mpi_yield_when_idle 1` "
+            "(or export OMPI_MCA_mpi_yield_when_idle=1); pass mpi_yield_when_idle=None to silence this.")
 
 
 def _check_world_size(horovod_size: int) -> None:
@@ -346,7 +371,9 @@ class HorovodBackend(Backend):
 
     def _on_collective(self, kind: str, tensors: Sequence[tf.Tensor], detail: str = "") -> None:
         if self._signature is not None:
-            desc = ",".join(f"{t.dtype.name}{t.shape.as_list()}" for t in tensors)
+            # (A tensor of unknown rank, which the fused all-reduce reduces unfused, shows as "[?]".)
+            desc = ",".join(f"{t.dtype.name}{t.shape.as_list() if t.shape.rank is not None else '[?]'}"
+                            for t in tensors)
             self._signature.append(f"{kind}({detail}){desc}")
 
     # --- collectives ----------------------------------------------------------------------

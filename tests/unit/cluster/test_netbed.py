@@ -6,11 +6,12 @@ The bed itself (namespaces, links, launches across them) is tested as root in te
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 from hvrep.cluster import netbed
-from hvrep.errors import ConfigError
+from hvrep.errors import ConfigError, SetupError
 
 
 def test_names_are_unique_per_bed_and_carry_the_owner_pid():
@@ -33,8 +34,12 @@ def test_bad_arguments_are_refused_with_the_value(kwargs, match):
         netbed.NetBed(**kwargs)
 
 
-def test_env_puts_the_ssh_stand_in_first_and_every_transport_on_the_bed_interface():
+def test_env_puts_the_ssh_stand_in_first_and_every_transport_on_the_bed_interface(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bed = netbed.NetBed(hosts=2)
+    with pytest.raises(SetupError, match="not up"):
+        bed.env()  # no folder, no stand-in yet
+    bed._make_dir()  # what up() does first; the rest (namespaces) needs root
     env = bed.env({"PATH": "/usr/bin", "KEEP": "1"})
     assert env["PATH"] == f"{bed.bin_dir}{os.pathsep}/usr/bin" and env["KEEP"] == "1"
     assert env["PRTE_MCA_plm_ssh_agent"] == str(bed.ssh)
@@ -59,3 +64,17 @@ def test_tbf_bucket_is_one_millisecond_of_traffic_but_well_above_a_gso_segment()
 
 def test_link_counters_subtract():
     assert netbed.LinkCounters(10, 7) - netbed.LinkCounters(4, 2) == netbed.LinkCounters(6, 5)
+
+
+def test_the_beds_folder_is_private_and_fresh_even_where_its_old_predictable_name_exists(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    bed = netbed.NetBed(hosts=2)
+    planted = tmp_path / bed.prefix / "bin"
+    planted.mkdir(parents=True)
+    (planted / "ssh").write_text("planted")
+    bed._make_dir()
+    bed._write_ssh()
+    assert bed.dir is not None and bed.dir.parent == tmp_path and bed.dir.name.startswith(f"{bed.prefix}-")
+    assert bed.dir.stat().st_mode & 0o777 == 0o700 and bed.bin_dir.stat().st_mode & 0o777 == 0o700
+    assert (planted / "ssh").read_text() == "planted" and bed.ssh.read_text().startswith("#!/bin/bash")
+    assert netbed._folders(bed.prefix) == [bed.dir]  # what teardown removes: the bed's own folder only

@@ -132,3 +132,19 @@ def test_warmup_callback_gives_horovods_learning_rates(repl):
     want = [0.4 / 2 * ((e + (b + 1) / 3) * 1 / 2 + 1) for e in range(2) for b in range(3)] + [0.4] * 3
     np.testing.assert_allclose(seen, want, rtol=1e-6)
     np.testing.assert_allclose(history.history["lr"], [want[2], want[5], 0.4], rtol=1e-6)
+
+
+def test_on_a_keras_outside_the_verified_releases_it_warns_once_that_the_wrong_order_may_go_unrefused(
+        repl, monkeypatch, caplog):
+    from hvrep.compat import keras_versions
+
+    monkeypatch.setattr(keras_versions, "_warned", set())
+    with caplog.at_level("WARNING", logger="hvrep"):
+        hvrep.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), repl)
+        assert not caplog.records  # the verified Keras: nothing to say
+        monkeypatch.setattr(keras_versions, "KERAS_VERSION", "3.99.0")
+        for _ in range(2):
+            hvrep.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), repl)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "Keras 3.99.0" in warned[0], warned
+    assert "DistributedOptimizer(LossScaleOptimizer(opt), repl)" in warned[0] and "Fix:" in warned[0]

@@ -199,3 +199,71 @@ def test_autograph_still_converts_the_step(batch_norm):
     assert repl.reduce(repl.run(step, args=(tf.constant(-1.0),)), "sum") == 2.0
     flip = lambda x: x * 2.0 if tf.reduce_sum(x) > 0 else -x  # noqa: E731
     assert repl.reduce(repl.run(flip, args=(tf.constant(-1.0),)), "sum") == 2.0
+
+
+def _ops_of_one_bn_step(repl, x):
+    """The op types the trace of one training step through a built BatchNormalization made, and its output."""
+    with repl.scope():
+        bn = keras.layers.BatchNormalization(momentum=0.5)
+        bn.build((None, 3, 3, 2))
+    traced = []
+
+    def step(t):
+        out = bn(t, training=True)
+        traced.append([op.type for op in tf.compat.v1.get_default_graph().get_operations()])
+        return out
+
+    out = repl.run(step, args=(x,))
+    return traced[0], repl.reduce(out, "min")
+
+
+def test_a_keras_outside_the_verified_releases_keeps_keras_own_batch_norm_with_one_warning(monkeypatch, caplog):
+    from hvrep.compat import keras_versions
+
+    monkeypatch.setattr(keras_versions, "KERAS_VERSION", "3.99.0")  # a release the replacement never saw
+    monkeypatch.setattr(keras_versions, "_warned", set())
+    x = tf.constant(np.random.default_rng(2).normal(size=(4, 3, 3, 2)).astype("float32"))
+    with caplog.at_level("WARNING", logger="hvrep"):
+        for _ in range(2):
+            ops, _ = _ops_of_one_bn_step(hvrep.Replicator("local"), x)
+            assert FUSED not in ops, "the fused kernel was used on an unverified Keras"
+    warned = [r.getMessage() for r in caplog.records if "Keras 3.99.0" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "keeps Keras' own ops" in warned[0] and "Fix:" in warned[0]
+    monkeypatch.setattr(keras_versions, "KERAS_VERSION", keras.version())  # the installed one: fused again
+    ops, _ = _ops_of_one_bn_step(hvrep.Replicator("local"), x)
+    assert FUSED in ops
+
+
+def test_an_input_of_unknown_rank_keeps_keras_own_batch_norm_with_one_warning(monkeypatch, caplog):
+    import traceback
+
+    from hvrep.compat import keras_versions
+
+    monkeypatch.setattr(keras_versions, "_warned", set())
+    x = tf.constant(np.random.default_rng(2).normal(size=(4, 3, 3, 2)).astype("float32"))
+    errors = {}
+    with caplog.at_level("WARNING", logger="hvrep"):
+        for batch_norm in ("keras", "fused", "fused"):
+            repl = hvrep.Replicator("local", batch_norm=batch_norm)
+            with repl.scope():
+                bn = keras.layers.BatchNormalization(momentum=0.5)
+                bn.build((None, 3, 3, 2))
+
+            def step(t, bn=bn):
+                # A reshape to a shape whose length is known only when it runs (a mask that is always true): the
+                # rank is unknown when traced. Keras' Layer.__call__ refuses that itself; its call() (which a
+                # custom layer's call may use) is where the fused path decides.
+                unknown = tf.reshape(t, tf.boolean_mask(tf.shape(t), tf.random.uniform([4]) >= 0.0))
+                assert unknown.shape.rank is None
+                return bn.call(unknown, training=True)
+
+            with pytest.raises(ValueError) as caught:  # Keras' own ops cannot update the moving statistics
+                repl.run(step, args=(x,))
+            errors[batch_norm] = caught.value
+    # The fused path handed the input to Keras' own call (its len(inputs.shape) raised before): Keras' error.
+    fused = "".join(traceback.format_exception(errors["fused"]))
+    assert "in fusable" not in fused and "batch_normalization.py" in fused, fused[-3000:]
+    assert str(errors["fused"]).splitlines()[-1] == str(errors["keras"]).splitlines()[-1]
+    warned = [r.getMessage() for r in caplog.records if "unknown rank" in r.getMessage()]
+    assert len(warned) == 1, warned

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -116,6 +118,33 @@ def test_mpi_yield_when_idle_reaches_open_mpi_through_the_environment(monkeypatc
     assert started == {"HOROVOD_FUSION_THRESHOLD": None, "HOROVOD_CYCLE_TIME": None, YIELD: expected}
 
 
+@pytest.mark.parametrize("where", ["home", "param_files", "opal_prefix"])
+def test_a_site_parameter_file_that_sets_mpi_yield_when_idle_is_not_overridden(monkeypatch, tmp_path, where):
+    from hvrep import _env
+
+    for name in (YIELD, "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", *_env.OMPI_MCA_PARAM_FILES_VARS,
+                 "OPAL_PREFIX", "OMPI_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    conf = {"home": tmp_path / "home" / ".openmpi" / "mca-params.conf",
+            "param_files": tmp_path / "site.conf",
+            "opal_prefix": tmp_path / "ompi" / "etc" / "openmpi-mca-params.conf"}[where]
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text("# site settings\nbtl_tcp_if_include = eth0\nmpi_yield_when_idle = 0  # spin: dedicated nodes\n")
+    if where == "param_files":
+        monkeypatch.setenv("OMPI_MCA_mca_base_param_files", f"{tmp_path / 'missing.conf'},{conf}")
+    elif where == "opal_prefix":
+        monkeypatch.setenv("OPAL_PREFIX", str(tmp_path / "ompi"))
+    started = _env.set_horovod_knobs(None, None, True, mpi_started=False)
+    # An exported OMPI_MCA_* would beat the site's file: hvrep exports nothing, and reports the file's value.
+    assert YIELD not in os.environ
+    assert started[YIELD] == "0"
+    assert _env.mca_file_setting("mpi_yield_when_idle") == (conf, "0")
+
+    conf.write_text("mpi_yield_when_idle_x = 0\n# mpi_yield_when_idle = 0\n")  # neither sets it
+    assert _env.set_horovod_knobs(None, None, True, mpi_started=False)[YIELD] == "1"
+
+
 @pytest.mark.parametrize(("text", "value"), [
     ("1", True), ("true", True), (" Yes", True), ("0", False), ("false", False), ("no", False), (None, None),
     ("maybe", None),
@@ -124,3 +153,32 @@ def test_open_mpi_flags_read_as_open_mpi_reads_them(text, value):
     from hvrep import _env
 
     assert _env.flag_value(text) is value
+
+
+_AFTER_USERS_INIT = """
+import horovod.tensorflow as hvd
+import hvrep
+from hvrep.errors import ConfigError
+from hvrep.replica.backends import horovod as backend
+
+hvd.init()  # the user's own, before any Replicator
+try:
+    hvrep.Replicator("horovod", config=hvrep.CommConfig(cycle_time_ms=7.5))
+except ConfigError as e:
+    print("refused:", e)
+# hvrep's own re-initialisation (elastic training) passes the private flag: recorded, not refused.
+backend._start_horovod(hvd, hvrep.CommConfig(cycle_time_ms=7.5), started_by_hvrep=True)
+print("recorded:", backend._started_with["HOROVOD_CYCLE_TIME"])
+"""
+
+
+def test_horovod_settings_after_the_users_own_hvd_init_are_refused_but_not_hvreps_own_restart():
+    # One process (Open MPI's singleton); tests/multirank/cases_horovod_core.py does it on 2 ranks per launcher.
+    env = {k: v for k, v in os.environ.items() if k not in ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD")}
+    res = subprocess.run([sys.executable, "-c", _AFTER_USERS_INIT], capture_output=True, text=True, timeout=300,
+                         env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "refused: this Replicator's CommConfig asks for cycle_time_ms=7.5" in res.stdout, res.stdout
+    assert "an hvd.init() of your own" in res.stdout and "Fix: create the Replicator before calling hvd.init()" \
+        in res.stdout
+    assert "recorded: 7.5" in res.stdout, res.stdout

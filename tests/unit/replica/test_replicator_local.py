@@ -128,19 +128,43 @@ def test_fusion_issues_one_collective_for_many_tensors(repl):
     assert repl.collective_calls - before == repl.num_replicas
 
 
-def test_bf16_and_fp16_compression_stay_within_their_precision():
+def test_bf16_and_fp16_compression_stay_within_their_precision_and_apply_only_when_asked():
     for compression, rtol in (("fp16", 2e-3), ("bf16", 1e-2)):
         r = hvrep.Replicator("local", config=hvrep.CommConfig(compression=compression))
         try:
             def step():
                 rid = tf.cast(hvrep.replica_id(), tf.float32)
-                x = tf.linspace(-3.0, 3.0, 50) * (rid + 1.0)
-                return hvrep.all_reduce(x, "mean")
+                x = (tf.linspace(-3.0, 3.0, 50) + 1e-3) * (rid + 1.0)
+                return hvrep.all_reduce(x, "mean", compress=True), hvrep.all_reduce(x, "mean")
 
-            got = r.reduce(r.run(step), "min")
-            np.testing.assert_allclose(got, np.linspace(-3, 3, 50) * 1.5, rtol=rtol, atol=rtol)
+            compressed, plain = (r.reduce(t, "min") for t in r.run(step))
+            want = (np.linspace(-3, 3, 50, dtype=np.float32) + np.float32(1e-3)) * np.float32(1.5)
+            np.testing.assert_allclose(compressed, want, rtol=rtol, atol=rtol)
+            assert not np.array_equal(compressed, want)  # rounded on the wire: compression applied
+            np.testing.assert_allclose(plain, want, rtol=1e-6)  # not asked: float32 on the wire
         finally:
             r.close()
+
+
+def test_fp16_compression_never_reaches_cross_replica_batch_norms_statistics():
+    # 64 x 32 x 32 positions per replica: a count of 65,536, past fp16's largest value (65,504). With the count
+    # compressed, the output was NaN.
+    x = np.random.default_rng(5).normal(1.0, 2.0, size=(2, 64, 32, 32, 2)).astype(np.float32)
+    outs = {}
+    for compression in ("none", "fp16"):
+        r = hvrep.Replicator("local", config=hvrep.CommConfig(compression=compression))
+        with r.scope():
+            crbn = hvrep.layers.CrossReplicaBatchNorm(momentum=0.5)
+            crbn.build((None, 32, 32, 2))
+        parts = r._backend.strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(x[ctx.replica_id_in_sync_group]))
+        out = r.run(lambda t, crbn=crbn: crbn(t, training=True), args=(parts,))
+        outs[compression] = np.concatenate([np.asarray(v) for v in r._backend.strategy.experimental_local_results(out)])
+        outs[compression + " moving_variance"] = crbn.moving_variance.numpy()
+        r.close()
+    assert np.isfinite(outs["fp16"]).all()
+    np.testing.assert_array_equal(outs["fp16"], outs["none"])
+    np.testing.assert_array_equal(outs["fp16 moving_variance"], outs["none moving_variance"])
 
 
 def test_cross_replica_batchnorm_equals_batchnorm_on_the_concatenated_batch(repl):
@@ -269,3 +293,32 @@ def test_bound_methods_of_two_objects_are_two_steps(repl):
     a, b = Scaler(1.0), Scaler(5.0)
     assert float(repl.reduce(repl.run(a.step), "sum")) == 2.0
     assert float(repl.reduce(repl.run(b.step), "sum")) == 10.0
+
+
+def test_a_tensor_of_unknown_shape_is_reduced_unfused_beside_fused_ones(repl):
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def step_of(x):
+        return repl.run(lambda: hvrep.all_reduce([x * 2.0, tf.ones([3]), x], "sum"))
+
+    before = repl.collective_calls
+    dynamic, fixed, again = (repl.reduce(t, "min") for t in step_of(tf.constant([1.0, 2.0])))
+    np.testing.assert_array_equal(dynamic, [4.0, 8.0])
+    np.testing.assert_array_equal(again, [2.0, 4.0])
+    np.testing.assert_array_equal(fixed, [2.0, 2.0, 2.0])
+    # Per replica: one buffer for the fully known tensor, one collective for each tensor of unknown shape.
+    assert repl.collective_calls - before == 3 * repl.num_replicas
+
+
+def test_marks_of_reduced_values_do_not_keep_every_traced_step_alive(repl):
+    marks = repl._backend._marks
+    for i in range(6):
+        repl.run(lambda i=i: hvrep.all_reduce([tf.ones([2]) * i, tf.zeros([3])], "sum"))
+        assert len(marks) <= 2 * repl.num_replicas, len(marks)  # this step's, not every step's so far
+
+
+def test_backends_keep_no_run_depth():
+    # Never read, and its += raced across MirroredStrategy's replica threads.
+    from hvrep.replica.backends.base import Backend
+
+    assert not hasattr(Backend, "in_replica")
+    assert "_run_depth" not in vars(hvrep.Replicator("local")._backend)
