@@ -12,6 +12,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from hvrep.data.config import PAD_LABEL, DataConfig
+from hvrep.data.demo import write_demo
+from hvrep.data.prepare import prepare  # the function, not its module (same name): imported, not lazy
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 # DataConfig) before TensorFlow is imported (3-4 s), as `hvrep` does for its own names.
 _LAZY = {
     "EpochPlan": "hvrep.data.plan", "EpochPosition": "hvrep.data.plan", "Segment": "hvrep.data.plan",
-    "write_demo": "hvrep.data.demo", "prepare": "hvrep.data.prepare", "synthetic_dataset": "hvrep.data.tfdata",
+    "synthetic_dataset": "hvrep.data.tfdata",
     "tfdata_dataset": "hvrep.data.tfdata", "tfdata_plan": "hvrep.data.tfdata",
 }
 
