@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="hvrep train", description="Train a ResNet on every rank.",
         epilog="Exit codes: 0 finished, or stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (continue with --resume); "
                "2 a setting, data set or output folder to fix (the message says how); 75 a collective timed out "
-               "(comm.timeout_s). Under horovodrun, Ctrl-C ends in horovodrun's own exit code 1 after hvrep's "
-               "ranks saved (see README, 'Stopping a run').")
+               "(comm.timeout_s). Under horovodrun, Ctrl-C may end in horovodrun's own exit code 1 after hvrep's "
+               "ranks saved (README, 'Stopping a run with Ctrl-C').")
     parser.add_argument("--config", default="resnet50_imagenet",
                         help="preset (resnet50_imagenet, demo) or a JSON file of settings")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")

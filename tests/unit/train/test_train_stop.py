@@ -80,8 +80,9 @@ def test_ctrl_c_stops_every_rank_at_a_step_saves_and_says_how_to_continue(demo_d
                                   ours[-1]), (key, stdout[-2000:], stderr[-2000:])
         assert stdout.count("continue with `--resume`") == 1, key  # the chief says it
         if key[0] == "horovodrun-gloo":
-            # horovodrun terminates its ranks' shells after they stopped (README, "Stopping a run")
-            assert procs[key].returncode == 1, (key, stderr[-2000:])
+            # 1 when horovodrun terminated its ranks' shells before they exited, which races with their exit
+            # (README, "Stopping a run with Ctrl-C"); either way the run was saved (checked above)
+            assert procs[key].returncode in (0, 1), (key, stderr[-2000:])
         else:
             assert procs[key].returncode == 0 and "Traceback" not in stderr, (key, stderr[-3000:])
 
