@@ -70,6 +70,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,13 +316,22 @@ def run(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> int:
     # passes the launcher the signal that makes hvrep's ranks stop and save (hvrep.train.preemption): mpirun
     # answers SIGINT by killing its ranks 0.25 s after SIGTERM (Open MPI 5), too soon to save, but forwards
     # SIGUSR1; srun forwards SIGUSR1 too; horovodrun catches SIGINT and sends its ranks SIGTERM.
+    # Out of the terminal's process group, the launcher no longer gets what is sent to this one's group (a job
+    # scheduler's or a harness's SIGTERM): this process passes SIGTERM and SIGHUP on as they are.
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
-    while True:
-        try:
-            code = proc.wait()
-            break
-        except KeyboardInterrupt:
-            proc.send_signal(_STOP_SIGNAL[spec.launcher])  # and wait on: killing it now could orphan the ranks
+    passed = (signal.SIGTERM, signal.SIGHUP)
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = {s: signal.signal(s, lambda signum, _frame: proc.send_signal(signum)) for s in passed} if in_main else {}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                proc.send_signal(_STOP_SIGNAL[spec.launcher])  # and wait on: killing it now could orphan the ranks
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 128 - code if code < 0 else code
 
 
