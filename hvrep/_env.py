@@ -83,6 +83,10 @@ OMPI_MCA_PARAM_FILES_VARS: tuple[str, ...] = ("OMPI_MCA_mca_base_param_files", "
 OPAL_PREFIX = "OPAL_PREFIX"
 OMPI_HOME = "OMPI_HOME"
 
+# TensorFlow's C++ log filter (0: all, 2: errors only), which `hvrep train` sets before TensorFlow's import unless
+# --verbose or the user set it.
+TF_CPP_MIN_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+
 # CUDA toolkit location (the GPU build of Horovod).
 CUDA_HOME = "CUDA_HOME"
 
@@ -103,8 +107,16 @@ VIRTUAL_ENV = "VIRTUAL_ENV"
 # Ranks on the launching node inherit the whole environment anyway; ranks on
 # other nodes get only what is forwarded, so an NCCL_SOCKET_IFNAME exported on
 # the head node would otherwise apply there alone.
-FORWARD_PREFIXES: tuple[str, ...] = ("NCCL_", "HOROVOD_", "TF_")
-FORWARD_NAMES: tuple[str, ...] = (CUDA_VISIBLE_DEVICES, LD_LIBRARY_PATH, PATH, PYTHONPATH, VIRTUAL_ENV)
+# TensorFlow's variables go by name, not by a TF_ prefix, which catches other tools' (Terraform's TF_CLI_CONFIG_FILE,
+# TF_VAR_*). TF_CONFIG is left out: it describes one worker, not every rank.
+TENSORFLOW_VARS: tuple[str, ...] = (
+    TF_CPP_MIN_LOG_LEVEL, "TF_CPP_MAX_VLOG_LEVEL", "TF_CPP_VMODULE", "TF_ENABLE_ONEDNN_OPTS", "TF_NUM_INTRAOP_THREADS",
+    "TF_NUM_INTEROP_THREADS", "TF_XLA_FLAGS", "TF_FORCE_GPU_ALLOW_GROWTH", "TF_GPU_ALLOCATOR", "TF_GPU_THREAD_MODE",
+    "TF_GPU_THREAD_COUNT", "TF_DETERMINISTIC_OPS", "TF_CUDNN_DETERMINISTIC", "TF_USE_LEGACY_KERAS",
+    "TF_ENABLE_AUTO_MIXED_PRECISION", "TF_DUMP_GRAPH_PREFIX")
+FORWARD_PREFIXES: tuple[str, ...] = ("NCCL_", "HOROVOD_")
+FORWARD_NAMES: tuple[str, ...] = (CUDA_VISIBLE_DEVICES, LD_LIBRARY_PATH, PATH, PYTHONPATH, VIRTUAL_ENV,
+                                  *TENSORFLOW_VARS)
 
 # The C/C++ compiler's extra include path (the Horovod build extends it).
 CPATH = "CPATH"
@@ -278,3 +290,8 @@ def tpu_hint() -> bool:
 
 def cuda_home() -> str | None:
     return os.environ.get(CUDA_HOME)
+
+
+def quiet_tensorflow_logs() -> None:
+    """TensorFlow's C++ logging to errors only (before its import), unless the user chose a level."""
+    os.environ.setdefault(TF_CPP_MIN_LOG_LEVEL, "2")

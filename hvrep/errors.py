@@ -78,7 +78,8 @@ class ExitCode:
 # Every exit code hvrep uses, read from here by the watchdog, the README's "Exit codes" table and the tests
 # (tests/unit/replica/test_exit_codes.py checks the README and slurm/preemptible.sbatch against it).
 EXIT_OK = ExitCode(0, "ok", None, "the run ended normally (completed, max_steps, target_accuracy), or stopped "
-                   "cleanly on SIGTERM/SIGUSR1 with a checkpoint (final event stopped=\"signal\": requeued)", False)
+                   "cleanly on SIGTERM/SIGUSR1/Ctrl-C with a checkpoint (final event stopped=\"signal\": "
+                   "requeued)", False)
 EXIT_ERROR = ExitCode(1, "error", None, "an uncaught Python error (under `python -m mpi4py`, MPI_Abort ends "
                       "every rank with it); horovodrun also exits 1 whenever a rank exits non-zero", False)
 EXIT_USAGE = ExitCode(2, "usage", None, "`hvrep train` refused its configuration or data with a typed hvrep "
@@ -88,4 +89,6 @@ EXIT_MISMATCH = ExitCode(65, "mismatch", "mismatch", "hvrep's watchdog: the rank
                          "again (EX_DATAERR)", False)
 EXIT_HANG = ExitCode(75, "hang", "timeout", "hvrep's watchdog: a collective waited past comm.timeout_s (a rank "
                      "stopped, dead, or stuck elsewhere); transient (EX_TEMPFAIL)", True)
-EXIT_CODES: tuple[ExitCode, ...] = (EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH, EXIT_HANG)
+EXIT_INTERRUPTED = ExitCode(130, "interrupted", None, "`hvrep train` got Ctrl-C before training started, or a "
+                            "second Ctrl-C: nothing new was saved (the shell's 128 + SIGINT)", False)
+EXIT_CODES: tuple[ExitCode, ...] = (EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH, EXIT_HANG, EXIT_INTERRUPTED)

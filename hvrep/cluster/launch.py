@@ -16,7 +16,8 @@ The choices, and where they come from:
   horovod/runner/mpi_run.py), and the aws-ofi-nccl wiki gives the srun form
   (https://github.com/aws/aws-ofi-nccl/wiki/CPU-Binding). ``core`` and
   ``socket`` remain for CPU-only jobs that want them.
-* **mpirun forwards NCCL_*, HOROVOD_*, TF_* and the paths** with ``-x NAME``
+* **mpirun forwards NCCL_*, HOROVOD_*, TensorFlow's variables (by name, not a
+  ``TF_`` prefix, which caught Terraform's) and the paths** with ``-x NAME``
   (names in ``hvrep._env.FORWARD_*``). Ranks on the launching node inherit
   everything anyway; ranks on other nodes get only what is forwarded. The
   name alone, not ``NAME=value``: mpirun reads the value from its own
@@ -50,14 +51,12 @@ The choices, and where they come from:
   unless ``:overload-allowed`` (measured: Open MPI 5.0.11). Off by default:
   more ranks than CPUs usually halves throughput by mistake. horovodrun
   declares ``-H localhost:N`` slots itself and never needs it.
-* **horovodrun --mpi always gets ``--binding-args``**: Horovod 0.28.1's
-  horovodrun passes Open MPI 4's ``-bind-to none -map-by slot`` to mpirun,
-  and Open MPI 5's mpirun takes ``-bind-to`` for an unknown option and
-  ``none`` for the program ("prterun was unable to find the specified
-  executable file ... Executable: none"; measured, Open MPI 5.0.11). That is
-  also what a plain ``horovodrun -np 2 python train.py`` does where Horovod
-  was built with MPI (it prefers MPI to Gloo). ``--bind-to none --map-by
-  slot``, which both Open MPI 4 and 5 take, replaces it.
+* **horovodrun --mpi always gets ``--binding-args``**, which carries
+  ``bind``. Horovod 0.28.1's own default, Open MPI 4's ``-bind-to none
+  -map-by slot``, is read by Open MPI 5 as an unknown option and the program
+  ``none`` ("Executable: none"); hvrep's Horovod install fixes that line
+  (``hvrep.compat.build_horovod.RUNNER_PATCH``), and ``--binding-args`` keeps
+  a Horovod installed otherwise working too.
 * Not emitted: Horovod's guide also adds ``-mca pml ob1 -mca btl ^openib``.
   Open MPI 5 has no openib BTL, and forcing ob1 keeps UCX (the InfiniBand
   path) out; pass such flags in ``extra`` where a cluster wants them.
@@ -68,8 +67,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,8 +237,8 @@ def horovodrun_argv(spec: LaunchSpec) -> list[str]:
         argv.append("--gloo")
     else:
         argv.append("--mpi")
-        # Always: horovodrun 0.28.1's own default is Open MPI 4's single-dash `-bind-to none -map-by slot`,
-        # which Open MPI 5's mpirun (prterun) rejects ("Executable: none"); both take the double-dash form.
+        # Always: it carries spec.bind, and a Horovod 0.28.1 installed without hvrep's runner fix passes Open
+        # MPI 4's single-dash `-bind-to none`, which Open MPI 5 rejects ("Executable: none").
         argv.append(f"--binding-args=--bind-to {spec.bind} --map-by slot")
     return [*argv, *spec.extra, *spec.command]
 
@@ -311,11 +312,28 @@ def run(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> int:
     env = _env.environ_snapshot() if environ is None else dict(environ)
     argv = build_argv(spec, env)
     argv[0] = find_launcher(argv[0], env)
-    proc = subprocess.Popen(argv, env=env)
+    # The launcher runs in a session of its own, so the terminal's Ctrl-C reaches only this process, which
+    # passes the launcher the signal that makes hvrep's ranks stop and save (hvrep.train.preemption): mpirun
+    # answers SIGINT by killing its ranks 0.25 s after SIGTERM (Open MPI 5), too soon to save, but forwards
+    # SIGUSR1; srun forwards SIGUSR1 too; horovodrun catches SIGINT and sends its ranks SIGTERM.
+    # Out of the terminal's process group, the launcher no longer gets what is sent to this one's group (a job
+    # scheduler's or a harness's SIGTERM): this process passes SIGTERM and SIGHUP on as they are.
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    passed = (signal.SIGTERM, signal.SIGHUP)
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = {s: signal.signal(s, lambda signum, _frame: proc.send_signal(signum)) for s in passed} if in_main else {}
     try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C reached the launcher too (same process group); it stops its
-        # ranks, which takes a moment. Killing it now could orphan them.
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                proc.send_signal(_STOP_SIGNAL[spec.launcher])  # and wait on: killing it now could orphan the ranks
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 128 - code if code < 0 else code
+
+
+# What `hvrep launch` sends its launcher on Ctrl-C (see run).
+_STOP_SIGNAL = {"horovodrun": signal.SIGINT, "mpirun": signal.SIGUSR1, "srun": signal.SIGUSR1}

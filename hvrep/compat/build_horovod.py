@@ -42,6 +42,18 @@ from hvrep.errors import SetupError
 
 # Bump when the build flags below change, so cached wheels are not reused.
 RECIPE_VERSION = "1"
+
+# Horovod 0.28.1's runner (horovod/runner/mpi_run.py, _get_mpi_implementation_flags) gives Open MPI its binding
+# arguments as "-bind-to none -map-by slot"; Open MPI 5's prterun takes single-dash words apart, so
+# `horovodrun -np 2 python train.py` (MPI, the default without --gloo) stops with "Executable: none". Open MPI 4
+# and 5 both accept the two-dash spelling. The fix is applied to the installed file, after the (cached) wheel is
+# installed; RUNNER_PATCH is part of the environment's marker, so an environment installed without it gets it
+# from the cached wheel in seconds, with no rebuild.
+RUNNER_PATCH_FILE = Path("runner") / "mpi_run.py"
+RUNNER_PATCH = (
+    "        return list(_OMPI_FLAGS), list(_NO_BINDING_ARGS), _OMPI_IMPL\n",
+    "        return list(_OMPI_FLAGS), ['--bind-to none', '--map-by slot'], _OMPI_IMPL  # hvrep: Open MPI 5\n")
+RUNNER_PATCH_ID = "runner1"
 NCCL_WHEEL = "nvidia-nccl-cu12==2.32.3"
 # Headers TensorFlow's public headers include from the two Debian packages.
 _DEBIAN_HEADERS = ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayhash.h")
@@ -320,6 +332,37 @@ def verify(plan: BuildPlan) -> str:
     return out
 
 
+def patch_runner(horovod_dir: Path) -> bool:
+    """Applies :data:`RUNNER_PATCH` to the Horovod package in ``horovod_dir``; False if it already was.
+
+    Raises:
+      SetupError: the line to replace is not there (another Horovod version than this patch is for).
+    """
+    path = horovod_dir / RUNNER_PATCH_FILE
+    text = path.read_text()
+    old, new = RUNNER_PATCH
+    if new in text:
+        return False
+    if old not in text:
+        raise SetupError(f"{path} lacks the line hvrep's runner fix replaces ({old.strip()!r}): it is not Horovod "
+                         f"{HOROVOD_VERSION}'s. Fix: install Horovod {HOROVOD_VERSION} (`make setup`), or drop "
+                         "RUNNER_PATCH in hvrep/compat/build_horovod.py if this Horovod passes --bind-to itself.")
+    path.write_text(text.replace(old, new))
+    return True
+
+
+def _installed_horovod_dir() -> Path:
+    return Path(md.distribution("horovod").locate_file("horovod"))
+
+
+def runner_patched() -> bool | None:
+    """Whether the installed Horovod's runner has :data:`RUNNER_PATCH`; None without Horovod."""
+    try:
+        return RUNNER_PATCH[1] in (_installed_horovod_dir() / RUNNER_PATCH_FILE).read_text()
+    except (md.PackageNotFoundError, OSError):
+        return None
+
+
 def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPlan:
     """Installs the Horovod this environment needs, building it only if no cached wheel fits."""
     plan = make_plan(gpu)
@@ -327,8 +370,9 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
         installed = md.version("horovod")
     except md.PackageNotFoundError:
         installed = None
-    if installed == HOROVOD_VERSION and _wheels.is_current("horovod", plan.key):
-        _log(f"up to date: {plan.key}")
+    installed_key = f"{plan.key}-{RUNNER_PATCH_ID}"
+    if installed == HOROVOD_VERSION and _wheels.is_current("horovod", installed_key):
+        _log(f"up to date: {installed_key}")
         return plan
     cache = (cache_dir or _env.cache_dir()) / "horovod" / plan.key
     wheel = _wheels.cached_wheel(cache, "horovod-*.whl")
@@ -337,9 +381,11 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
     else:
         _log(f"installing the cached wheel {wheel}")
     _wheels.install(wheel)
+    if patch_runner(_installed_horovod_dir()):
+        _log("patched horovod/runner/mpi_run.py: Open MPI binding arguments as --bind-to none --map-by slot")
     _build_shim(plan)
     _log(verify(plan).strip().replace("\n", "\n    "))
-    _wheels.mark("horovod", plan.key)
+    _wheels.mark("horovod", installed_key)
     return plan
 
 

@@ -8,16 +8,39 @@
 from __future__ import annotations
 
 import dataclasses
-
-import tensorflow as tf
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from hvrep.data.config import PAD_LABEL, DataConfig
 from hvrep.data.demo import write_demo
-from hvrep.data.plan import EpochPlan, EpochPosition, Segment
-from hvrep.data.prepare import prepare
-from hvrep.data.tfdata import synthetic_dataset, tfdata_dataset, tfdata_plan
-from hvrep.replica.context import InputContext
+from hvrep.data.prepare import prepare  # the function, not its module (same name): imported, not lazy
 
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from hvrep.data.plan import EpochPlan, EpochPosition
+    from hvrep.replica.context import InputContext
+
+# name -> module: imported on first use, so that `hvrep train` parses and checks its configuration (which needs
+# DataConfig) before TensorFlow is imported (3-4 s), as `hvrep` does for its own names.
+_LAZY = {
+    "EpochPlan": "hvrep.data.plan", "EpochPosition": "hvrep.data.plan", "Segment": "hvrep.data.plan",
+    "synthetic_dataset": "hvrep.data.tfdata",
+    "tfdata_dataset": "hvrep.data.tfdata", "tfdata_plan": "hvrep.data.tfdata",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hvrep.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def _lazy(name: str) -> Any:
+    """A lazy name as this package holds it now (imported on first use; what a test may have replaced)."""
+    return globals()[name] if name in globals() else __getattr__(name)
 
 def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
                  training: bool | None = None, position: EpochPosition | None = None,
@@ -41,7 +64,7 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
         if threads is not None:
             config = dataclasses.replace(config, num_threads=threads)
         return dali_dataset(config, split, ctx, batch_size, training, position)
-    return tfdata_dataset(config, split, ctx, batch_size, training, position, threads)
+    return _lazy("tfdata_dataset")(config, split, ctx, batch_size, training, position, threads)
 
 
 def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:
@@ -50,7 +73,7 @@ def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:
         from hvrep.data.dali import dali_plan
 
         return dali_plan(config, split)
-    return tfdata_plan(config, split)
+    return _lazy("tfdata_plan")(config, split)
 
 
 def num_examples(config: DataConfig, split: str) -> int:
@@ -66,18 +89,17 @@ def num_examples(config: DataConfig, split: str) -> int:
 def data_errors(config: DataConfig, split: str):
     """Wrap iteration over a ``make_dataset`` dataset in this to get decode errors that name the file.
 
-    DALI reports a bad JPEG without its file name; inside this context such an
-    error becomes a ``DataError`` naming the file (the tf.data pipeline names it
-    itself, so this is a no-op there).
+    Inside this context a bad image becomes one ``DataError`` naming the file and the fix, instead of
+    TensorFlow's (or DALI's) traceback: DALI reports a bad JPEG without its file name (``dali_errors`` finds it);
+    the tf.data pipeline names it in its check's message (``tfdata_errors`` keeps that and drops the rest).
     """
-    import contextlib
-
     if config.backend == "dali":
         from hvrep.data.dali import dali_errors
 
         return dali_errors(config, split)
-    return contextlib.nullcontext()
+    from hvrep.data.tfdata import tfdata_errors
 
+    return tfdata_errors(config, split)
 
 __all__ = ["PAD_LABEL", "DataConfig", "EpochPlan", "EpochPosition", "Segment", "data_errors", "epoch_plan",
            "make_dataset", "num_examples", "prepare", "synthetic_dataset", "tfdata_dataset", "write_demo"]

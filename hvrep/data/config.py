@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hvrep.errors import ConfigError
-from hvrep.replica.context import InputContext
+
+if TYPE_CHECKING:  # the module itself imports TensorFlow; `hvrep train` validates its config before that
+    from hvrep.replica.context import InputContext
 
 FORMATS = ("folder", "tfrecord")
 BACKENDS = ("tfdata", "dali")
@@ -94,6 +97,8 @@ def replica_batch(ctx: InputContext | None, batch_size: int | None) -> tuple[Inp
 
     The batch is ``ctx.per_replica_batch_size``, else ``batch_size``.
     """
+    from hvrep.replica.context import InputContext
+
     ctx = ctx or InputContext(0, 1, None)
     b = ctx.per_replica_batch_size or batch_size
     if not b or b < 1:

@@ -519,5 +519,5 @@ def dali_errors(config: DataConfig, split: str) -> Iterator[None]:
         raise DataError(
             f"{listed}. DALI stopped with {dali_says!r}. Fix: replace or delete "
             f"{'the file' if config.format == 'folder' else 'the record (rerun `hvrep data prepare`)'}, or set "
-            "on_error='skip' to leave bad images out (they are counted and logged)."
+            "data.on_error=skip to leave bad images out (they are counted and logged)."
         ) from e

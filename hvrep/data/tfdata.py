@@ -38,9 +38,11 @@ batch copy ~40 each. The pixels are pinned bit for bit by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -48,7 +50,7 @@ import tensorflow as tf
 from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
 from hvrep.data.files import FolderListing, ShardListing, index_entries, list_folder, list_shards, read_records
 from hvrep.data.plan import EpochPlan, EpochPosition, ReplicaShare, plan_for
-from hvrep.errors import ConfigError
+from hvrep.errors import ConfigError, DataError
 from hvrep.replica.context import InputContext
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -63,6 +65,34 @@ def _jpeg_ok(data: tf.Tensor) -> tf.Tensor:
     head = tf.strings.substr(data, 0, 2)
     tail = tf.strings.substr(data, tf.maximum(n - 2, 0), 2)
     return tf.logical_and(tf.equal(head, b"\xff\xd8"), tf.equal(tail, b"\xff\xd9"))
+
+
+# What the check of a training or evaluation image says when it fails (tf.debugging.Assert's message, which
+# names the file or record); tfdata_errors turns it into one DataError.
+_BAD_JPEG = "hvrep: corrupt or truncated JPEG (no start/end marker):"
+_BAD_JPEG_RE = re.compile(re.escape(_BAD_JPEG) + r"\]?\s*\[?([^\]\n]*)")
+
+
+@contextlib.contextmanager
+def tfdata_errors(config: DataConfig, split: str) -> Iterator[None]:
+    """Turns the pipeline's failed JPEG check, wherever TensorFlow raises it, into one ``DataError``.
+
+    Raises:
+      hvrep.errors.DataError: an image of ``split`` is corrupt (with ``data.on_error=raise``).
+    """
+    try:
+        yield
+    except tf.errors.OpError as e:
+        found = _BAD_JPEG_RE.search(str(e))
+        if found is None:
+            raise
+        where = found.group(1).strip()
+        what = "the file" if config.format == "folder" else "the record's source image and rerun `hvrep data prepare`"
+        raise DataError(
+            f"{where} in data.data_dir={config.data_dir} ({split}) is a corrupt or truncated JPEG (no start/end "
+            f"marker). Fix: replace or delete {what}, or set data.on_error=skip to leave bad images out (they are "
+            "counted and named in the log and metrics.jsonl)."
+        ) from e
 
 
 def _parse_record(record: tf.Tensor, label_offset: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -168,6 +198,18 @@ def _listing(config: DataConfig, split: str) -> FolderListing | ShardListing:
 def tfdata_plan(config: DataConfig, split: str = "train") -> EpochPlan:
     """The plan :func:`tfdata_dataset` follows when training on ``split``."""
     return plan_for(config, _listing(config, split))
+
+
+def bad_jpegs(config: DataConfig, split: str) -> list[str]:
+    """The files (or records' file names) of ``split`` that ``data.on_error=skip`` leaves out, in listing order.
+
+    The same check as the pipeline's (start and end markers): one read of the split, done once by the chief of
+    a run so that the log and metrics.jsonl can name what was skipped.
+    """
+    shards = list_shards(config.data_dir, split) if config.format == "tfrecord" else None
+    source, _ = _source(config, split, shards)
+    bad = source.filter(lambda data, _label, _name: tf.logical_not(_jpeg_ok(data))).map(lambda _d, _l, name: name)
+    return [name.decode(errors="replace") for name in bad.as_numpy_iterator()]
 
 
 def _planned_files(listing: FolderListing, share: ReplicaShare) -> tuple[tf.data.Dataset, _Load]:
@@ -307,8 +349,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
     def checked(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tuple[tf.Tensor, ...]:
         if raise_on_bad:
             with tf.control_dependencies([tf.debugging.Assert(
-                    _jpeg_ok(data), ["hvrep: corrupt or truncated JPEG (no start/end marker):", name,
-                                     "Fix: replace or delete it, or set on_error='skip'."], summarize=1)]):
+                    _jpeg_ok(data), [_BAD_JPEG, name], summarize=1)]):
                 data = tf.identity(data)
         return (data, label, name, *rest)
 

@@ -35,7 +35,7 @@ def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def throughput(events: list[dict[str, Any]]) -> float | None:
     """Median images/s over the epochs of the last run (first epoch excluded when there are more)."""
-    epochs = [e["images_per_sec"] for e in _last_run(events) if e["event"] == "epoch"]
+    epochs = [e["images_per_sec"] for e in _last_run(events) if e["event"] == "epoch" and "images_per_sec" in e]
     if not epochs:
         final = [e for e in _last_run(events) if e["event"] == "final"]
         return final[-1].get("images_per_sec") if final else None

@@ -107,12 +107,14 @@ class TrainConfig:
         once per loop; loops also end at log, checkpoint and max_steps boundaries. A signal is acted on
         within this many steps. With ``loop="fit"``: Keras' ``steps_per_execution``.
       threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
-        pool get this many. None: TensorFlow's defaults (every rank sizes its pools for every core of
-        the node). The scaling protocol in README gives each rank, and the 1-rank baseline, threads=1.
-      bind_cores: with ``threads``, bind each rank's threads to ``threads`` cores of its own (local rank k:
-        the k-th block of the node's cores), as ``mpirun --bind-to core`` does and ``horovodrun --gloo`` does
-        not (``hvrep/train/cores.py``). A process a launcher or Slurm has bound already keeps its binding.
-        Off by default: two independent runs on one node would share their first cores.
+        pool get this many. None (default): the rank's share, from the cores it may use
+        (``hvrep/train/cores.py``, ``default_budget``): the cores a launcher or Slurm bound it to, else the
+        node's cores divided by its ranks on the node; one rank alone keeps TensorFlow's own pools.
+      bind_cores: bind each rank's threads to ``threads`` cores of its own (local rank k: the k-th block of the
+        node's cores), as ``mpirun --bind-to core`` does and ``horovodrun --gloo`` does not. None (default):
+        where several ranks share a node that no launcher bound them on. A process a launcher or Slurm has
+        bound already keeps its binding. false for two independent jobs on one node (both would bind to the
+        first cores).
       loop: "custom" (hvrep's loop: ``controller.py``, resumable, signal-aware) or "fit" (Keras' ``model.fit``
         through ``hvrep.keras``: ``fitloop.py``; no --resume, no gradient accumulation).
     """
@@ -128,7 +130,7 @@ class TrainConfig:
     log_every: int = 50
     steps_per_loop: int = 10
     threads: int | None = None
-    bind_cores: bool = False
+    bind_cores: bool | None = None
     loop: str = "custom"
 
     def __post_init__(self) -> None:
@@ -146,9 +148,6 @@ class TrainConfig:
         _at_least("train.steps_per_loop", self.steps_per_loop, 1)
         if self.threads is not None:
             _at_least("train.threads", self.threads, 1)
-        if self.bind_cores and self.threads is None:
-            raise ConfigError("train.bind_cores=true needs train.threads (the cores each rank gets). Fix: set "
-                              "train.threads=N as well, or leave train.bind_cores=false.")
 
 
 @dataclass(frozen=True)
@@ -184,6 +183,14 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        # Checked here too (optim.py checks the length a checkpoint gives), so that `hvrep train` refuses it
+        # before TensorFlow starts.
+        o, epochs = self.optim, self.train.epochs
+        if o.optimizer != "recipe" and epochs is not None and o.warmup_epochs > epochs:
+            raise ConfigError(f"optim.warmup_epochs={o.warmup_epochs:g} is longer than training (train.epochs="
+                              f"{epochs}). Fix: a shorter optim.warmup_epochs or a larger train.epochs.")
 
 
 SECTIONS = ("model", "data", "optim", "train", "comm", "checkpoint")

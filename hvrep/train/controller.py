@@ -299,17 +299,20 @@ class Controller:
                     ahead = (following, pool.submit(self._batches, following[4]))
                 state.epoch.assign(epoch)
                 state.position.assign(0)
-                line = {"epoch": epoch, "loss": loss_sum / max(steps_done, 1),
-                        "images_per_sec": images_per_sec[-1] if steps_done else 0.0,
-                        "train_top1": correct_sum / max(steps_done * gb, 1)}
+                # An epoch resumed at its end (stopped after its last step) trained nothing here: no loss or rate.
+                line: dict[str, Any] = {"epoch": epoch}
+                if steps_done:
+                    line.update(loss=loss_sum / steps_done, images_per_sec=images_per_sec[-1],
+                                train_top1=correct_sum / (steps_done * gb))
                 if epoch % cfg.train.eval_every == 0 or epoch == epochs:
                     watchdog.note_step(f"evaluation after epoch {epoch}")
                     top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n, cfg.train.threads)
                     line.update(top1=top1, top5=top5)
                 self.metrics.write("epoch", int(state.step.numpy()), **line)
                 acc = f"  val top-1 {top1:.4f} top-5 {top5:.4f}" if "top1" in line else ""
-                self.metrics.say(f"epoch {epoch}/{epochs}  loss {line['loss']:.4f}  "
-                                 f"{line['images_per_sec']:,.0f} images/s{acc}")
+                trained = (f"loss {line['loss']:.4f}  {line['images_per_sec']:,.0f} images/s" if steps_done
+                           else "trained before the resume")
+                self.metrics.say(f"epoch {epoch}/{epochs}  {trained}{acc}")
                 if epoch % cfg.checkpoint.every_epochs == 0 or epoch == epochs:
                     self._save(epoch, segments, train_examples)
                 target = cfg.train.target_accuracy

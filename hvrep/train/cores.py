@@ -1,4 +1,11 @@
-"""Binding each rank of a node to cores of its own (``train.bind_cores``).
+"""Each rank's CPU budget: how many threads its pools get (``train.threads``) and which cores they run on
+(``train.bind_cores``), chosen by default from the cores the rank may use (:func:`default_budget`).
+
+Without a budget every rank of a node sized TensorFlow's pools and tf.data's for all the node's cores, and
+the kernel moved their threads between cores: the 2-rank demo under ``horovodrun --gloo`` ran 1,149-1,218
+images/s against one rank's 1,446-1,534 (issue 31). So by default a rank gets its share of the node (the
+cores it may use when a launcher, Slurm or a cgroup bound it; else the node's cores divided by the ranks on
+the node) and, where no launcher bound it and it shares the node, it binds to that share.
 
 ``mpirun`` binds ranks to cores by default (``--bind-to core`` for two
 ranks or fewer); ``horovodrun --gloo`` and plain ``python`` do not, and the
@@ -17,6 +24,50 @@ import os
 from dataclasses import dataclass
 
 from hvrep.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A rank's CPU budget.
+
+    Attributes:
+      threads: each TensorFlow pool's and the tf.data pool's size; None: TensorFlow's defaults (all cores: one
+        rank alone on an unbound node).
+      bind: bind the rank to ``threads`` cores of its own (:func:`bind_cores`).
+      why: how it was chosen, for the log and metrics.jsonl.
+    """
+
+    threads: int | None
+    bind: bool
+    why: str
+
+
+def default_budget(threads: int | None, bind: bool | None, local_size: int,
+                   allowed: int | None = None, online: int | None = None) -> Budget:
+    """The budget of one of ``local_size`` ranks on a node; ``threads`` / ``bind`` (the settings) win when given.
+
+    Args:
+      allowed: the CPUs this process may use (default: ``os.sched_getaffinity``); fewer than ``online`` means
+        a launcher, Slurm or a cgroup bound it, and that binding is its budget.
+      online: the node's CPUs (default: ``os.cpu_count()``).
+    """
+    allowed = len(os.sched_getaffinity(0)) if allowed is None else allowed
+    online = (os.cpu_count() or allowed) if online is None else online
+    bound_by_launcher = allowed < online
+    if threads is None:
+        if bound_by_launcher:
+            threads, why = allowed, f"the {allowed} core(s) the launcher bound this rank to"
+        elif local_size > 1:
+            threads, why = max(1, online // local_size), f"{online} cores / {local_size} ranks on this node"
+        else:
+            threads, why = None, f"one rank on {online} cores: TensorFlow's own pools"
+    else:
+        why = f"train.threads={threads}"
+    if bind and threads is None:  # train.bind_cores=true alone: the rank's share of the node
+        threads, why = max(1, online // local_size), f"{online} cores / {local_size} ranks on this node"
+    if bind is None:
+        bind = threads is not None and not bound_by_launcher and local_size > 1 and local_size * threads <= online
+    return Budget(threads, bind, why + (", bound here" if bind else ""))
 
 
 @dataclass(frozen=True)

@@ -246,16 +246,19 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
             epoch += 1
             segments = []
             state.epoch.assign(epoch)
-            line = {"epoch": epoch, "loss": float(recorder.logs.get("loss", float("nan"))),
-                    "images_per_sec": rates[-1] if trained else 0.0,
-                    "train_top1": float(recorder.logs.get("accuracy", float("nan")))}
+            # An epoch resumed at its end (stopped after its last step) trained nothing here: no loss or rate.
+            line: dict[str, Any] = {"epoch": epoch}
+            if trained:
+                line.update(loss=float(recorder.logs.get("loss", float("nan"))), images_per_sec=rates[-1],
+                            train_top1=float(recorder.logs.get("accuracy", float("nan"))))
             if epoch % cfg.train.eval_every == 0 or epoch == epochs:
                 top1, top5 = evaluator.evaluate(cfg.data, val_images, gb // n, cfg.train.threads)
                 line.update(top1=top1, top5=top5)
             metrics.write("epoch", done, **line)
             acc = f"  val top-1 {top1:.4f} top-5 {top5:.4f}" if "top1" in line else ""
-            metrics.say(f"epoch {epoch}/{epochs} (fit)  loss {line['loss']:.4f}  "
-                        f"{line['images_per_sec']:,.0f} images/s{acc}")
+            done_here = (f"loss {line['loss']:.4f}  {line['images_per_sec']:,.0f} images/s" if trained
+                         else "trained before the resume")
+            metrics.say(f"epoch {epoch}/{epochs} (fit)  {done_here}{acc}")
             if epoch % cfg.checkpoint.every_epochs == 0 or epoch == epochs:
                 save(epoch)
             target = cfg.train.target_accuracy

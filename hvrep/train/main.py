@@ -22,6 +22,7 @@ owns the loop's cadence and ``steps.py`` the compiled steps (Orbit's split).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -30,10 +31,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hvrep import kernels
-from hvrep.errors import EXIT_OK, EXIT_USAGE, HvrepError
+from hvrep.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HvrepError
 from hvrep.train import config as configs
-from hvrep.train import cores
+from hvrep.train import cores, rundir
+
+# Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (README, "Exit codes"). A run stopped by SIGTERM, SIGUSR1
+# or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and metrics.jsonl's
+# `final` event (stopped="signal") say so.
 
 
 def _model(cfg: configs.RunConfig) -> Any:
@@ -62,14 +66,27 @@ def _limit_threads(threads: int | None) -> None:
                          "export TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS instead.") from None
 
 
-def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
-    """Trains; returns the final summary (the same on every rank)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Trains; returns the final summary (the same on every rank).
+
+    Args:
+      resume: continue from the newest checkpoint of ``cfg.output_dir``.
+      overwrite: start over in an ``output_dir`` that holds checkpoints, moving the old run aside (the chief).
+
+    Raises:
+      ConfigError: ``output_dir`` holds checkpoints and neither ``resume`` nor ``overwrite`` was given, or the
+        data folder is missing or of another format (checked before TensorFlow is imported).
+    """
+    rundir.check_data_dir(cfg.data)
+    rundir.check_output_dir(cfg.output_dir, resume, overwrite)
+    from hvrep import _env
+
+    _env.quiet_tensorflow_logs()
     import keras
     import tensorflow as tf
 
     import hvrep
-    from hvrep import _env, schedules
+    from hvrep import kernels, schedules
     from hvrep.data import num_examples, write_demo
     from hvrep.replica import watchdog
     from hvrep.train import optim as optimizers
@@ -80,8 +97,13 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     from hvrep.train.position import SchedulePosition
     from hvrep.train.steps import Runner
 
-    if not cfg.data.data_dir:
-        raise HvrepError("data.data_dir is empty. Fix: pass data.data_dir=/path/to/imagenet (folder or TFRecords).")
+    # The rank's CPU budget, from its place on the node (the launcher's variables) before TensorFlow's runtime
+    # starts (its pools are fixed then); the resolved values replace the settings, so the data pipeline gets
+    # them and metrics.jsonl records them.
+    placement = hvrep.resolve_placement()
+    budget = cores.default_budget(cfg.train.threads, cfg.train.bind_cores, placement.local_size)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=budget.threads,
+                                                             bind_cores=budget.bind))
     _limit_threads(cfg.train.threads)
     if cfg.train.precision != "fp32":
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
@@ -93,7 +115,9 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
     demo_root = _env.cache_dir() / "demo-data"
     if chief and Path(cfg.data.data_dir).parent == demo_root:
         write_demo(demo_root)  # once; every rank waits below
+    moved = rundir.move_aside(out) if chief and overwrite and rundir.holds_checkpoints(out) else None
     repl.reduce(tf.constant(0), "sum")
+    skipped = _skipped_files(cfg) if chief and cfg.data.on_error == "skip" else None
 
     gb = cfg.train.global_batch
     if gb % n:
@@ -104,7 +128,8 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
 
     keras.utils.set_random_seed(cfg.train.seed)
     if cfg.train.loop == "fit":
-        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding)
+        return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding, moved, skipped,
+                        budget)
     with repl.scope():
         model = _model(cfg)
         optim = optimizers.build(cfg, train_images)
@@ -136,7 +161,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                  "fusion_threshold_bytes": cfg.comm.fusion_threshold_bytes, "num_groups": cfg.comm.num_groups,
                  "kernels": kernels.status().describe()}
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
-           "cores": list(binding.cores), "bound_here": binding.bound_here,
+           "cores": list(binding.cores), "bound_here": binding.bound_here, "cpu_budget": budget.why,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     epochs = optim.epochs
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
@@ -144,6 +169,7 @@ def run(cfg: configs.RunConfig, resume: bool = False) -> dict[str, Any]:
                   steps_per_epoch=steps_per_epoch, resumed_from=str(restored) if restored else None)
     metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}), global batch {gb}, {epochs} epochs x "
                 f"{steps_per_epoch} steps, fast path {fast_path}" + (f", resumed from {restored}" if restored else ""))
+    _say_start(metrics, moved, skipped)
 
     result = Controller(cfg, runner, state, ckpt, metrics, epochs=epochs, steps_per_epoch=steps_per_epoch,
                         val_images=val_images, resumed=resumed, schedule=schedule, schedule_rule=optim.rule).run()
@@ -175,14 +201,40 @@ def _finish(summary: dict[str, Any], metrics: Any, n: int) -> dict[str, Any]:
     metrics.say(f"hvrep train: {summary['stopped']} at step {summary['step']}: {accuracy}median "
                 f"{summary['images_per_sec'] or 0:,.0f} images/s on {n} replica(s). Outputs in {out}/ "
                 "(metrics.jsonl, tensorboard/, checkpoints/)")
+    if summary["stopped"] == "signal":  # the last line a stopped run prints: how to go on
+        metrics.say(f"hvrep train: stopped at step {summary['step']} (saved {summary['checkpoint']}); continue with "
+                    "`--resume`")
     return summary
 
 
+def _skipped_files(cfg: configs.RunConfig) -> dict[str, list[str]]:
+    """The images ``data.on_error=skip`` leaves out, per split (the tf.data pipeline's check; DALI logs its own)."""
+    if cfg.data.backend != "tfdata":
+        return {}
+    from hvrep.data.tfdata import bad_jpegs
+
+    return {split: bad_jpegs(cfg.data, split) for split in ("train", "val")}
+
+
+def _say_start(metrics: Any, moved: Path | None, skipped: dict[str, list[str]] | None) -> None:
+    """What the chief says after the config line: the old run moved aside (--overwrite), the images skipped."""
+    if moved is not None:
+        metrics.say(f"hvrep train: --overwrite: the earlier run in this output_dir was moved to {moved}")
+    for split, files in (skipped or {}).items():
+        if files:
+            metrics.write("skipped", split=split, count=len(files), files=files)
+            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more (all in metrics.jsonl)" if len(files) > 5
+                                            else "")
+            metrics.say(f"hvrep train: data.on_error=skip leaves out {len(files)} bad {split} image(s): {shown}")
+
+
 def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: int, train_images: int,
-             val_images: int, binding: cores.Binding) -> dict[str, Any]:
+             val_images: int, binding: cores.Binding, moved: Path | None,
+             skipped: dict[str, list[str]] | None, budget: cores.Budget) -> dict[str, Any]:
     """``train.loop=fit``: the same model, optimizer, data and evaluation, trained by Keras' fit."""
     import tensorflow as tf
 
+    from hvrep import kernels
     from hvrep.train import fitloop
     from hvrep.train.metrics import MetricsWriter
 
@@ -190,7 +242,7 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
     n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
     metrics = MetricsWriter(out, repl.is_chief)
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
-           "cores": list(binding.cores), "bound_here": binding.bound_here,
+           "cores": list(binding.cores), "bound_here": binding.bound_here, "cpu_budget": budget.why,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile, "input": cfg.data.backend,
                  "loop": "fit", "kernels": kernels.status().describe()}
@@ -201,6 +253,7 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
                       resumed_from=str(restored) if restored else None)
         metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}) with model.fit, global batch {gb}, "
                     f"{epochs} epochs x {steps_per_epoch} steps" + (f", resumed from {restored}" if restored else ""))
+        _say_start(metrics, moved, skipped)
 
     from hvrep.replica import watchdog
     from hvrep.train.checkpoint import CheckpointManager
@@ -219,20 +272,46 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hvrep train", description="Train a ResNet on every rank.")
+    """``hvrep train``. Flags and the configuration are checked before TensorFlow is imported (3-4 s), so
+    ``--help`` and a mistyped setting answer at once."""
+    parser = argparse.ArgumentParser(
+        prog="hvrep train", description="Train a ResNet on every rank.",
+        epilog="Exit codes: 0 finished, or stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (continue with --resume); "
+               "2 a setting, data set or output folder to fix (the message says how); 75 a collective timed out "
+               "(comm.timeout_s). Under horovodrun, Ctrl-C may end in horovodrun's own exit code 1 after hvrep's "
+               "ranks saved (README, 'Stopping a run with Ctrl-C').")
     parser.add_argument("--config", default="resnet50_imagenet",
                         help="preset (resnet50_imagenet, demo) or a JSON file of settings")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an output_dir that holds checkpoints; the old run is moved to "
+                        "OUTPUT_DIR.old-<UTC time> (nothing is deleted)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    parser.add_argument("--verbose", action="store_true", help="keep TensorFlow's start-up and C++ log messages")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error hvrep explains")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.global_batch=4096")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
     try:
         cfg = configs.build(args.config, args.overrides)
         if args.print_config:
             print(json.dumps(configs.to_dict(cfg), indent=2))
-            return 0
-        run(cfg, resume=args.resume)
+            return EXIT_OK.code
+        rundir.check_data_dir(cfg.data)
+        rundir.check_output_dir(cfg.output_dir, args.resume, args.overwrite)
+        if not args.verbose:
+            from hvrep.compat.quiet import import_tensorflow_quietly
+
+            import_tensorflow_quietly()
+        run(cfg, resume=args.resume, overwrite=args.overwrite)
     except HvrepError as e:
+        if args.debug:
+            raise
         print(f"hvrep train: error: {e}", file=sys.stderr)
         return EXIT_USAGE.code
+    except KeyboardInterrupt:  # before the loop took over Ctrl-C, or a second Ctrl-C
+        if args.debug:
+            raise
+        print("hvrep train: interrupted (Ctrl-C) before training started or a second time: nothing new was "
+              "saved (the checkpoints already in output_dir stay)", file=sys.stderr)
+        return EXIT_INTERRUPTED.code
     return EXIT_OK.code

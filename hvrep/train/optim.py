@@ -33,9 +33,15 @@ def build(cfg: configs.RunConfig, train_images: int, epochs: int | None = None) 
     exclude = None if o.exclude_bn_and_bias else []  # None: the optimizers' defaults (BN and biases)
     per_step = t.global_batch * cfg.comm.accumulation_steps
     if o.optimizer == "recipe":
-        recipe = recipes.imagenet_resnet50(t.global_batch, epochs or t.epochs, train_images=train_images,
-                                           label_smoothing=o.label_smoothing,
-                                           exclude_bn_and_bias_from_weight_decay=o.exclude_bn_and_bias)
+        try:
+            recipe = recipes.imagenet_resnet50(t.global_batch, epochs or t.epochs, train_images=train_images,
+                                               label_smoothing=o.label_smoothing,
+                                               exclude_bn_and_bias_from_weight_decay=o.exclude_bn_and_bias)
+        except ConfigError as e:  # the recipe names its own arguments; say which settings of this run they are
+            raise ConfigError(
+                f"train.epochs={epochs or t.epochs} is too short for optim.optimizer=recipe at train.global_batch="
+                f"{t.global_batch} ({e}). Fix: a larger train.epochs, or an explicit optimizer (optim.optimizer=lars "
+                "or momentum_sgd) with a shorter optim.warmup_epochs.") from e
         return Optim(recipe.optimizer, recipe.schedule, recipe.epochs, recipe.label_smoothing,
                       f"the recipe for global batch {t.global_batch}: peak {recipe.peak_lr:.6g} after "
                       f"{recipe.warmup_epochs:g} warmup epochs")

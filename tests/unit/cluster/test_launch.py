@@ -63,12 +63,14 @@ def test_mpirun_forwards_only_the_named_variables():
         # not forwarded: other names, and names that merely contain a prefix
         "HOME": "/root", "SLURM_JOB_ID": "7", "OMPI_MCA_btl": "tcp", "MY_NCCL_DEBUG": "1", "TF": "x",
         "HOROVODRUN": "x", "CUDA_HOME": "/cuda", "PATHS": "x", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+        # TensorFlow's by name: Terraform's TF_* are not TensorFlow's
+        "TF_XLA_FLAGS": "--tf_xla_auto_jit=2", "TF_CLI_CONFIG_FILE": "/home/u/.terraformrc", "TF_VAR_region": "eu",
     }
     argv = mpirun_argv(spec(launcher="mpirun"), env)
     forwarded = [argv[i + 1] for i, a in enumerate(argv) if a == "-x"]
     assert forwarded == sorted([
         "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "HOROVOD_FUSION_THRESHOLD", "TF_CPP_MIN_LOG_LEVEL",
-        "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "VIRTUAL_ENV",
+        "TF_XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "VIRTUAL_ENV",
     ])
     assert not any("=" in name for name in forwarded)  # names only: values stay out of the printed command
     assert "s3cr3t" not in " ".join(argv)

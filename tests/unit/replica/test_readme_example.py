@@ -39,7 +39,7 @@ def test_readme_example_runs_in_one_process(example):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "on 1 replica(s) (local)" in res.stdout
     losses = _losses(res.stdout)
-    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
+    assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], res.stdout  # it visibly learns
 
 
 def test_readme_example_runs_on_two_ranks_under_mpirun(example):
@@ -47,9 +47,9 @@ def test_readme_example_runs_on_two_ranks_under_mpirun(example):
            sys.executable, "-m", "mpi4py", str(example)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("on 2 replica(s) (horovod)") == 3  # chief only, once per epoch
+    assert res.stdout.count("on 2 replica(s) (horovod)") == 5  # chief only, once per epoch
     losses = _losses(res.stdout)
-    assert losses[-1] < losses[0], res.stdout
+    assert losses[-1] < 0.5 * losses[0], res.stdout
 
 
 def test_readme_large_batch_snippet_runs(tmp_path):

@@ -14,11 +14,11 @@ import pytest
 
 from hvrep.errors import ConfigError
 from hvrep.train import config as configs
-from hvrep.train.cores import bind_cores
+from hvrep.train.cores import bind_cores, default_budget
 
 CHILD = r"""
 import json, os, sys, threading
-from hvrep.train.cores import bind_cores
+from hvrep.train.cores import bind_cores, default_budget
 pre = os.environ.get("PRE_BIND")
 if pre is not None:
     os.sched_setaffinity(0, {int(pre)})
@@ -66,8 +66,26 @@ def test_more_ranks_times_threads_than_cores_is_refused_with_the_fix():
     assert sorted(os.sched_getaffinity(0)) == ALLOWED  # nothing was bound on the way
 
 
-def test_bind_cores_without_threads_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"train\.bind_cores=true needs train\.threads"):
-        configs.apply_overrides(configs.preset("demo"), {"train.bind_cores": "true"})
-    cfg = configs.apply_overrides(configs.preset("demo"), {"train.bind_cores": "true", "train.threads": "1"})
-    assert cfg.train.bind_cores is True
+def _pair(budget):
+    return budget.threads, budget.bind
+
+
+def test_the_defaults_give_each_rank_its_share_of_the_node_and_bind_it_where_no_launcher_did():
+    cfg = configs.preset("demo")
+    assert cfg.train.threads is None and cfg.train.bind_cores is None  # the defaults are chosen at start-up
+    # 2 ranks on 2 unbound cores (horovodrun --gloo, mpirun --bind-to none): 1 thread each, bound here
+    assert _pair(default_budget(None, None, local_size=2, allowed=2, online=2)) == (1, True)
+    assert _pair(default_budget(None, None, local_size=4, allowed=16, online=16)) == (4, True)
+    # a launcher or Slurm bound the rank to 3 of 16 cores: 3 threads, its binding kept
+    assert _pair(default_budget(None, None, local_size=4, allowed=3, online=16)) == (3, False)
+    # one rank alone: TensorFlow's own pools, nothing bound
+    assert _pair(default_budget(None, None, local_size=1, allowed=8, online=8)) == (None, False)
+    # the settings win
+    assert _pair(default_budget(2, None, local_size=2, allowed=8, online=8)) == (2, True)
+    assert _pair(default_budget(None, False, local_size=2, allowed=8, online=8)) == (4, False)
+    assert _pair(default_budget(None, True, local_size=1, allowed=8, online=8)) == (8, True)
+    # more ranks than cores: one thread each, unbound (binding would need a core per rank)
+    assert _pair(default_budget(None, None, local_size=3, allowed=2, online=2)) == (1, False)
+    # this machine, as hvrep train sees it
+    budget = default_budget(None, None, local_size=len(ALLOWED))
+    assert budget.threads == 1 and budget.bind and "ranks on this node" in budget.why

@@ -1,0 +1,73 @@
+"""The run's folders, checked before TensorFlow starts: where the data is and whether ``output_dir`` is free.
+
+``hvrep train`` refuses an ``output_dir`` that holds checkpoints unless it is told what to do with them:
+``--resume`` continues the run, ``--overwrite`` starts over after moving the old run aside to
+``<output_dir>.old-<UTC time>`` (nothing is deleted; remove the old folder when it is not needed). Without
+either, a forgotten ``--resume`` after a preemption would start over among the old run's checkpoints (and, by
+``checkpoint.keep``, in place of them) and mix both runs in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hvrep import _env
+from hvrep.data.config import DataConfig
+from hvrep.errors import ConfigError
+
+_SHARD_PREFIXES = ("train-", "validation-")
+_JPEG = (".jpeg", ".jpg")
+
+
+def check_data_dir(data: DataConfig) -> None:
+    """Raises ConfigError when ``data.data_dir`` is unset, missing, or a JPEG folder read as TFRecords."""
+    if not data.data_dir:
+        raise ConfigError("data.data_dir is empty. Fix: pass data.data_dir=/path/to/imagenet (a JPEG folder with "
+                          "data.format=folder, or the TFRecord shards of `hvrep data prepare`).")
+    root = Path(data.data_dir)
+    if root.parent == _env.cache_dir() / "demo-data":
+        return  # the demo's data: written by the chief on first use
+    if not root.is_dir():
+        raise ConfigError(f"data.data_dir={data.data_dir} is not a folder. Fix: pass the folder holding the "
+                          "train/ and val/ JPEG folders (data.format=folder) or the TFRecord shards.")
+    if data.format == "tfrecord" and not any(p.name.startswith(_SHARD_PREFIXES) for p in root.iterdir()):
+        split = next((root / s for s in ("train", "val", "validation") if (root / s).is_dir()), None)
+        if split is not None and any(f.suffix.lower() in _JPEG for c in split.iterdir() if c.is_dir()
+                                     for f in c.iterdir()):
+            raise ConfigError(
+                f"data.data_dir={data.data_dir} holds JPEG folders ({split.name}/<class>/*.JPEG), but data.format="
+                "tfrecord (the default) reads TFRecord shards. Fix: add data.format=folder to read the JPEGs as "
+                f"they are, or convert them once with `hvrep data prepare {data.data_dir} DST` and pass "
+                "data.data_dir=DST.")
+
+
+def holds_checkpoints(output_dir: str | Path) -> bool:
+    folder = Path(output_dir) / "checkpoints"
+    return folder.is_dir() and any(p.name.startswith("ckpt-") for p in folder.iterdir())
+
+
+def check_output_dir(output_dir: str | Path, resume: bool, overwrite: bool) -> None:
+    """Raises ConfigError when ``output_dir`` holds a run and neither ``resume`` nor ``overwrite`` says what to do."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other. Fix: --resume to continue the run in "
+                          f"{output_dir}, or --overwrite to start over (the old run is moved aside).")
+    if not resume and not overwrite and holds_checkpoints(output_dir):
+        raise ConfigError(
+            f"output_dir={output_dir} holds checkpoints of an earlier run. Fix: --resume to continue it, "
+            f"--overwrite to start over (the old run is moved to {output_dir}.old-<time>), or another output_dir.")
+
+
+def move_aside(output_dir: str | Path) -> Path | None:
+    """Renames ``output_dir`` to ``<output_dir>.old-<UTC time>`` (``--overwrite``, the chief); None if absent."""
+    out = Path(output_dir)
+    if not out.exists():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = out.with_name(f"{out.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = out.with_name(f"{out.name}.old-{stamp}-{n}")
+    out.rename(target)
+    return target
