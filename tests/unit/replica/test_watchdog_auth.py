@@ -6,45 +6,15 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from hvrep.errors import EXIT_HANG
 from hvrep.replica import watchdog
-from hvrep.replica.watchdog import Watchdog
+from tests.unit.replica.test_watchdog import _pair
 
 ATTACKER = Path(__file__).resolve().parents[2] / "multirank" / "attacker.py"
 MARKER = "INJECTED-by-a-peer-without-the-secret"
-
-
-class _Exits:
-    def __init__(self) -> None:
-        self.codes: list[int] = []
-        self.event = threading.Event()
-
-    def __call__(self, code: int) -> None:
-        self.codes.append(code)
-        self.event.set()
-
-
-def _pair(timeout_s: float) -> tuple[Watchdog, Watchdog, _Exits, _Exits]:
-    box: dict[str, bytes] = {}
-    ready = threading.Event()
-    exits = (_Exits(), _Exits())
-
-    def exchange0(address: bytes) -> bytes:
-        box["a"] = address
-        ready.set()
-        return address
-
-    def exchange1(_: bytes) -> bytes:
-        ready.wait(10)
-        return box["a"]
-
-    w0 = Watchdog(0, 2, timeout_s, exchange0, interval=0.2, exit_fn=exits[0])
-    w1 = Watchdog(1, 2, timeout_s, exchange1, interval=0.2, exit_fn=exits[1])
-    return w0, w1, exits[0], exits[1]
 
 
 def test_a_peer_without_the_secret_cannot_end_the_job_and_nothing_it_sent_is_printed(capsys):
