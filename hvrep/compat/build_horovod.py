@@ -363,6 +363,11 @@ def runner_patched() -> bool | None:
         return None
 
 
+def installed_key(plan: BuildPlan) -> str:
+    """The environment's marker for ``plan``: its wheel's cache key and the runner patch applied on top."""
+    return f"{plan.key}-{RUNNER_PATCH_ID}"
+
+
 def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPlan:
     """Installs the Horovod this environment needs, building it only if no cached wheel fits."""
     plan = make_plan(gpu)
@@ -370,9 +375,9 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
         installed = md.version("horovod")
     except md.PackageNotFoundError:
         installed = None
-    installed_key = f"{plan.key}-{RUNNER_PATCH_ID}"
-    if installed == HOROVOD_VERSION and _wheels.is_current("horovod", installed_key):
-        _log(f"up to date: {installed_key}")
+    marker = installed_key(plan)
+    if installed == HOROVOD_VERSION and _wheels.is_current("horovod", marker):
+        _log(f"up to date: {marker}")
         return plan
     cache = (cache_dir or _env.cache_dir()) / "horovod" / plan.key
     wheel = _wheels.cached_wheel(cache, "horovod-*.whl")
@@ -385,7 +390,7 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
         _log("patched horovod/runner/mpi_run.py: Open MPI binding arguments as --bind-to none --map-by slot")
     _build_shim(plan)
     _log(verify(plan).strip().replace("\n", "\n    "))
-    _wheels.mark("horovod", installed_key)
+    _wheels.mark("horovod", marker)
     return plan
 
 

@@ -140,6 +140,6 @@ def test_publish_replaces_atomically_and_leaves_no_staging(tmp_path):
 def test_this_environment_holds_the_horovod_its_plan_asks_for():
     # make setup installed Horovod through build_horovod; the marker must match a fresh plan.
     assert md.version("horovod") == compat.HOROVOD_VERSION
-    assert _wheels.is_current("horovod", build_horovod.make_plan("auto").key)
+    assert _wheels.is_current("horovod", build_horovod.installed_key(build_horovod.make_plan("auto")))
     hvd = compat.import_horovod()
     assert hvd.mpi_built() and hvd.gloo_built()
