@@ -14,7 +14,7 @@ Contenders (``_vs_horovod_worker.py`` holds both steps):
   ``OMPI_MCA_mpi_yield_when_idle``: Open MPI busy-polls, as it does for a
   user who launches with ``mpirun`` and sets nothing). It runs in
   a separate interpreter that has tf_keras: a venv under hvrep's cache folder
-  (``~/.cache/hvrep/legacy-keras-venv-tf<V>-tfkeras<V>``), created on first
+  (``~/.cache/hvrep/legacy-keras-venv-tf<V>-tfkeras<V>-<hash of this venv's site-packages>``), created on first
   use, whose site-packages also lists this venv's (a ``.pth`` file), so
   TensorFlow, Horovod and mpi4py are the very same files; only tf_keras is
   installed there. Nothing is installed into this venv.
@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -196,12 +197,16 @@ def legacy_keras_python(tf_version: str) -> Path:
 
     The venv holds tf_keras only; a ``.pth`` file lists this venv's
     site-packages, so TensorFlow and the Horovod built against it are shared,
-    not installed twice. It is keyed by the versions and marked ready only once
-    it imports ``tf.keras`` as tf_keras, so a half-built one is rebuilt.
+    not installed twice. It is keyed by the versions and by the site-packages
+    it shares (a venv made from one checkout's ``.venv`` imports nothing once
+    that checkout is gone), and marked ready only once it imports ``tf.keras``
+    as tf_keras, so a half-built one is rebuilt.
     """
-    root = _env.cache_dir() / f"legacy-keras-venv-tf{tf_version}-tfkeras{tf_version}"
+    shared = sysconfig.get_path("purelib")
+    tag = hashlib.sha256(shared.encode()).hexdigest()[:10]
+    root = _env.cache_dir() / f"legacy-keras-venv-tf{tf_version}-tfkeras{tf_version}-{tag}"
     python, ready = root / "bin" / "python", root / ".hvrep-ready"
-    if ready.is_file() and python.exists():
+    if ready.is_file() and python.exists() and json.loads(ready.read_text()).get("shares") == shared:
         return python
     if root.exists():
         shutil.rmtree(root)
@@ -210,7 +215,7 @@ def legacy_keras_python(tf_version: str) -> Path:
     print(f"vs_horovod: creating the legacy-Keras venv {root} (once)", flush=True)
     _run_checked([str(base), "-m", "venv", str(root)], "create the venv")
     site = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
-    (site / "hvrep_shared_site_packages.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    (site / "hvrep_shared_site_packages.pth").write_text(shared + "\n")
     # --no-deps: tf_keras requires tensorflow, which the .pth already provides.
     _run_checked([str(python), "-m", "pip", "install", "--no-deps", "--quiet", f"tf_keras=={tf_version}"],
                  f"install tf_keras=={tf_version} (its version must match TensorFlow's)")
@@ -218,8 +223,7 @@ def legacy_keras_python(tf_version: str) -> Path:
              "assert tf.keras.optimizers.SGD.__module__.startswith('tf_keras'), tf.keras.optimizers.SGD.__module__")
     _run_checked([str(python), "-c", check], "import tf.keras as tf_keras with Horovod",
                  env={**os.environ, LEGACY_KERAS: "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
-    ready.write_text(json.dumps({"tensorflow": tf_version, "tf_keras": tf_version,
-                                 "shares": sysconfig.get_path("purelib")}) + "\n")
+    ready.write_text(json.dumps({"tensorflow": tf_version, "tf_keras": tf_version, "shares": shared}) + "\n")
     return python
 
 
