@@ -38,22 +38,16 @@ from typing import Any
 
 import psutil
 
-# Benchmarks run as scripts: their folder holds the shared helpers.
+# Benchmarks run as scripts: their folder holds the shared helpers; the attack is the multi-rank tests' own.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_jsonl, environment, fmt_ratio, ratio, run_id
 
+from tests.multirank import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKER = ROOT / "tests" / "multirank" / "attacker.py"
-BIN = Path(sys.executable).parent
 MARKER = "INJECTED-watchdog-attack-benchmark"
-
-
-def _command(launcher: str, args: list[str]) -> list[str]:
-    if launcher == "mpirun":
-        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-                "mpi4py", "-m", "hvrep.cli", "train", *args]
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvrep.cli",
-            "train", *args]
 
 
 def _free_range(width: int = 50) -> tuple[int, int]:
@@ -93,8 +87,8 @@ def launch(launcher: str, attacked: bool, demo: Path, steps: int, warmup: int, r
         attacker = None
         t0 = time.monotonic()
         with log.open("w") as sink:
-            proc = subprocess.Popen(_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                    cwd=ROOT, start_new_session=True)
+            proc = subprocess.Popen(harness.train_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT,
+                                    env=env, cwd=ROOT, start_new_session=True)
             try:
                 while attacked and attacker is None and proc.poll() is None:
                     found = _listening_in(first, last)

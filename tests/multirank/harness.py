@@ -111,6 +111,23 @@ class LaunchResult:
         return f"{self.launcher} ({status}) {module}::{case}\n" + "\n".join(problems) + f"\n--- output tail ---\n{tail}"
 
 
+def two_ranks(launcher: str, python_args: list[str]) -> list[str]:
+    """``python python_args`` on 2 ranks of this machine under ``launcher`` ("mpirun" or "horovodrun").
+
+    mpirun runs it under ``python -m mpi4py`` (one rank raising aborts all) without binding, so a test's
+    ranks and its SIGSTOPs do not depend on which cores Open MPI picked.
+    """
+    if launcher == "mpirun":
+        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
+                "mpi4py", *python_args]
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *python_args]
+
+
+def train_command(launcher: str, args: list[str]) -> list[str]:
+    """``hvrep train args`` on 2 ranks of this machine under ``launcher`` (:func:`two_ranks`)."""
+    return two_ranks(launcher, ["-m", "hvrep.cli", "train", *args])
+
+
 def launch(launcher: str, out: Path, modules: list[Path], np: int = NP, timeout: float = 420,
            only: str = "") -> LaunchResult:
     """Runs the case modules under ``launcher`` with ``np`` ranks, once."""

@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +35,6 @@ from tests.multirank import harness
 
 pytestmark = pytest.mark.multirank
 
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +42,6 @@ def demo_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("demo-data")
     write_demo(root)
     return root / "tfrecord"
-
-
-def _command(launcher: str, args: list[str]) -> list[str]:
-    if launcher == "mpirun":
-        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-                "mpi4py", "-m", "hvrep.cli", "train", *args]
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvrep.cli",
-            "train", *args]
 
 
 def _events(out: Path) -> list[dict]:
@@ -76,7 +66,7 @@ def _rank_of(p: psutil.Process) -> int | None:
 def _launched(launcher: str, args: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """The launcher in a process group of its own; on the way out every process in it is continued and killed."""
     with log.open("w") as sink:
-        proc = subprocess.Popen(_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(harness.train_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT,
                                 env=harness.clean_env(), cwd=harness.ROOT, start_new_session=True)
         try:
             yield proc
@@ -185,10 +175,7 @@ def _sigstop_fit(launcher: str, tmp: Path, demo_data: Path) -> str:
 def _uneven(launcher: str, tmp: Path, demo_data: Path) -> str:
     log = tmp / "job.log"
     script = str(harness.HERE / "uneven_input.py")
-    cmd = ([str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mpi4py",
-            script] if launcher == "mpirun" else
-           [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, script])
-    returncode = harness.run_logged(cmd, log, timeout=150)
+    returncode = harness.run_logged(harness.two_ranks(launcher, [script]), log, timeout=150)
     if returncode is None:
         pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
     text = log.read_text()
