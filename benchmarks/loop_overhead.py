@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.controller import Controller, LoopState
     from hvrep.train.metrics import MetricsWriter
+    from hvrep.train.position import SchedulePosition
     from hvrep.train.steps import Runner
 
     train_main._limit_threads(cfg.train.threads)
@@ -96,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer.build(model.trainable_variables)
         state = LoopState(*(tf.Variable(0, dtype=tf.int64, trainable=False, name=k)
                             for k in ("step", "epoch", "position")))
+    schedule = SchedulePosition(optim.schedule, optimizer, gb * cfg.comm.accumulation_steps)
     runner = Runner(repl, model, optimizer, num_classes=cfg.model.num_classes, label_smoothing=smoothing,
                     fp16=cfg.train.precision == "fp16", jit_compile=cfg.train.jit_compile)
     ckpt = CheckpointManager(scratch / "checkpoints", is_chief=repl.is_chief, keep=1, model=model,
@@ -120,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal epochs_done
         epochs_done += 1
         result = Controller(cfg, runner, state, ckpt, metrics, epochs=epochs_done, steps_per_epoch=steps,
-                            val_images=val_images, train_dataset=synthetic).run()
+                            val_images=val_images, schedule=schedule, train_dataset=synthetic).run()
         return result["images_per_sec"][-1]
 
     contenders = {"bare": bare, "loop": loop}

@@ -95,8 +95,7 @@ class Controller:
       epochs, steps_per_epoch: the run's length.
       val_images: images in the validation split (for the accuracy's denominator).
       resumed: the checkpoint restored, or None.
-      schedule: the learning-rate schedule's position, anchored at every epoch's start to the samples trained
-        (None: the optimizer's schedule runs by step count).
+      schedule: the learning-rate schedule's position, anchored at every epoch's start to the samples trained.
       schedule_rule: how the schedule's peak was chosen, for the resume's log line.
       train_dataset: builds one replica's training batches of an epoch, with
         ``hvrep.data.make_dataset``'s signature (the default);
@@ -106,8 +105,8 @@ class Controller:
 
     def __init__(self, cfg: RunConfig, runner: Runner, state: LoopState, checkpoints: CheckpointManager,
                  metrics: MetricsWriter, *, epochs: int, steps_per_epoch: int, val_images: int,
-                 resumed: ResumePoint | None = None, schedule: SchedulePosition | None = None,
-                 schedule_rule: str = "", train_dataset: Callable[..., tf.data.Dataset] = make_dataset) -> None:
+                 schedule: SchedulePosition, resumed: ResumePoint | None = None, schedule_rule: str = "",
+                 train_dataset: Callable[..., tf.data.Dataset] = make_dataset) -> None:
         self.cfg = cfg
         self.train_dataset = train_dataset
         self.runner = runner
@@ -127,18 +126,14 @@ class Controller:
         watchdog.note_step(f"checkpoint at step {int(self.state.step.numpy())}")
         self.runner.prepare_checkpoint()
         n, gb = self.runner.repl.num_replicas, self.cfg.train.global_batch
-        per_epoch = self.schedule.schedule.samples_per_epoch if self.schedule else max(train_examples, 1)
-        lr = self.schedule.schedule.at_epoch if self.schedule else (
-            lambda _: float(tf.convert_to_tensor(self.runner.optimizer.learning_rate)))
         self.checkpoints.save(int(self.state.step.numpy()), metadata=checkpoint_record(
             epoch=epoch, segments=segments, world_size=n, global_batch=gb, train_examples=train_examples,
-            samples_per_epoch=per_epoch, epochs=self.epochs, lr=lr, loop="custom",
+            samples_per_epoch=self.schedule.schedule.samples_per_epoch, epochs=self.epochs,
+            lr=self.schedule.schedule.at_epoch, loop="custom",
             accumulation=self.runner.accumulation_record()))
 
     def _anchor(self, epoch: int, at: EpochPosition) -> None:
         """Anchors the schedule at the samples trained before this epoch's first step; logs a resume once."""
-        if self.schedule is None:
-            return
         gb = self.cfg.train.global_batch
         lr = self.schedule.anchor(trained_samples(epoch, at, gb, self.schedule.schedule.samples_per_epoch))
         if self.resumed is not None and not self._announced:
