@@ -96,10 +96,14 @@ class _EpochRecorder(keras.callbacks.Callback):
         self._t0 = time.perf_counter()
         self.steps = 0
 
+    def steps_after(self, batch: int) -> int:
+        """The fit call's steps trained when Keras reports ``batch``: it passes the last step of the execution,
+        counted from 0 in the fit call, as if every execution were whole; the last one stops where the data does
+        (``limit``, the fit call's steps)."""
+        return min(batch + 1, self.limit)
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # Keras passes the last step of the execution, counted from 0 in the fit call, as if every execution were
-        # whole; the last one stops where the data does (`limit`, the fit call's steps).
-        self.steps = min(batch + 1, self.limit)
+        self.steps = self.steps_after(batch)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.seconds = time.perf_counter() - self._t0
@@ -111,11 +115,12 @@ class _StepLog(keras.callbacks.Callback):
     it): the next step's LR, images/s, and the chief's running loss and accuracy in the epoch (Keras' means so far;
     the epoch's line averages them over the ranks)."""
 
-    def __init__(self, metrics: MetricsWriter, log_every: int, global_batch: int, schedule: SchedulePosition) -> None:
+    def __init__(self, metrics: MetricsWriter, log_every: int, global_batch: int, schedule: SchedulePosition,
+                 recorder: _EpochRecorder) -> None:
         super().__init__()
         self.metrics, self.log_every, self.global_batch, self.schedule = metrics, log_every, global_batch, schedule
+        self.recorder = recorder  # counts the fit call's steps
         self.first_step = 0  # the global step before this fit call
-        self.limit = 0  # the fit call's steps
         self.epoch = 0
         self._t0 = 0.0
         self._last = 0
@@ -125,7 +130,7 @@ class _StepLog(keras.callbacks.Callback):
         self._last = 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        steps = min(batch + 1, self.limit)  # see _EpochRecorder
+        steps = self.recorder.steps_after(batch)
         step = self.first_step + steps
         if step // self.log_every > (self.first_step + self._last) // self.log_every:
             logs = logs or {}
@@ -208,7 +213,7 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
 
     with stop_on_signals() as stop:
         agreement = _StopAgreement(repl, stop)
-        step_log = _StepLog(metrics, cfg.train.log_every, gb, schedule)
+        step_log = _StepLog(metrics, cfg.train.log_every, gb, schedule, recorder)
         callbacks = [hvrep.keras.callbacks.BroadcastGlobalVariablesCallback(repl),
                      hvrep.keras.callbacks.MetricAverageCallback(repl), recorder, step_log, agreement]
         epoch = int(state.epoch.numpy())
@@ -225,7 +230,7 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
                                   epochs_trained=schedule.epochs(), rule=optim.rule)
                 resumed = None
             recorder.steps, recorder.limit = 0, steps
-            step_log.first_step, step_log.epoch, step_log.limit = done, epoch, steps
+            step_log.first_step, step_log.epoch = done, epoch
             if steps > 0:
                 with data_errors(epoch_cfg, "train"):
                     model.fit(_train_dataset(repl, epoch_cfg, gb, cfg.model.num_classes, at, cfg.train.threads, steps),
