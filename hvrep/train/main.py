@@ -35,9 +35,9 @@ from hvrep.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HvrepError
 from hvrep.train import config as configs
 from hvrep.train import cores, rundir
 
-# Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (docs/troubleshooting.md, "Exit codes"). A run stopped by SIGTERM, SIGUSR1
-# or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and metrics.jsonl's
-# `final` event (stopped="signal") say so.
+# Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (docs/troubleshooting.md, "Exit codes"). A run stopped by
+# SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and
+# metrics.jsonl's `final` event (stopped="signal") say so.
 
 
 def _model(cfg: configs.RunConfig) -> Any:
