@@ -166,7 +166,8 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
             "core the training step could use (Open MPI's yielding: ResNet-50 on busy CPU cores ran 1.58x as "
             "fast as busy polling; docs/performance.md, \"Throughput against plain Horovod\"). Fix: create the "
             "Replicator before `from mpi4py import MPI` or hvd.init(), or launch with "
-            "`mpirun --mca mpi_yield_when_idle 1` (or export OMPI_MCA_mpi_yield_when_idle=1); pass mpi_yield_when_idle=None to silence this.")
+            "`mpirun --mca mpi_yield_when_idle 1` (or export OMPI_MCA_mpi_yield_when_idle=1); "
+            "pass mpi_yield_when_idle=None to silence this.")
 
 
 def _check_world_size(horovod_size: int) -> None:
