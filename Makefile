@@ -20,11 +20,13 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 SETUP_INPUTS := requirements.txt setup.py $(wildcard hvrep/compat/*.py hvrep/compat/*.cc) \
 	$(shell find hvrep/compat/include -type f 2>/dev/null)
 
-.PHONY: help setup demo test lint check-gpu-build clean clean-cache
+.PHONY: help setup demo test lint docs docs-serve check-gpu-build clean clean-cache
 
 help:
 	@echo "make demo   - set up, then train the demo preset on $(NP) ranks (horovodrun --gloo) and report"
-	@echo "make test   - set up, then lint and run the whole test suite"
+	@echo "make test   - set up, then lint and run the whole test suite (the docs build and their examples included)"
+	@echo "make docs   - build the documentation site into site/ (mkdocs build --strict: a broken link fails)"
+	@echo "make docs-serve - preview the documentation at http://127.0.0.1:8000 while editing docs/"
 	@echo "make setup  - create .venv with the pinned stack, Horovod, the DALI plugin and hvrep's kernels"
 	@echo "make check-gpu-build - build Horovod with CUDA/NCCL in a throwaway env (slow, GBs)"
 
@@ -81,11 +83,19 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
+# The documentation site (mkdocs.yml, docs/). The API reference is read from the sources without importing
+# them, so this needs no TensorFlow; `make test` builds it too (tests/unit/docs/test_site.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
 check-gpu-build: setup
 	$(BIN)/python -m hvrep.compat.check_gpu_build
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache hvrep/_lib
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache hvrep/_lib site
 
 clean-cache:
 	rm -rf "$${HVREP_CACHE_DIR:-$$HOME/.cache/hvrep}"

@@ -169,7 +169,8 @@ class _Bench:
         env = bed.env()
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        # One TensorFlow thread per rank: one rank per core, as scaling efficiency assumes (README, "make demo").
+        # One TensorFlow thread per rank: one rank per core, as scaling efficiency assumes
+        # (docs/performance.md, "The demo").
         env.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
         # horovodrun: the bed's interface named, which skips its interface discovery (an ssh round per host).
         # Not on one host: horovodrun then runs everything locally and wants the loopback among the interfaces.

@@ -75,8 +75,8 @@ class ExitCode:
     requeue: bool
 
 
-# Every exit code hvrep uses, read from here by the watchdog, the README's "Exit codes" table and the tests
-# (tests/unit/replica/test_exit_codes.py checks the README and slurm/preemptible.sbatch against it).
+# Every exit code hvrep uses, read from here by the watchdog, the "Exit codes" table of docs/troubleshooting.md and
+# the tests (tests/unit/replica/test_exit_codes.py checks that table and slurm/preemptible.sbatch against it).
 EXIT_OK = ExitCode(0, "ok", None, "the run ended normally (completed, max_steps, target_accuracy), or stopped "
                    "cleanly on SIGTERM/SIGUSR1/Ctrl-C with a checkpoint (final event stopped=\"signal\": "
                    "requeued)", False)

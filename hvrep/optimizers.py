@@ -34,9 +34,11 @@ from keras import ops
 from hvrep import kernels
 from hvrep.errors import ConfigError, KernelError
 
-# The MLPerf reference excludes batch-norm parameters and biases from weight
-# decay and layer adaptation. Patterns are searched in `variable.path`.
+__all__ = ["DEFAULT_EXCLUDE", "LARS", "MomentumSGD"]
+
 DEFAULT_EXCLUDE = ("batch_normalization", "batch_norm", "batchnorm", r"(^|[/_])bn", r"bias$")
+"""Regular expressions, searched in ``variable.path``, of the variables that get neither weight decay nor
+layer adaptation by default: batch-norm parameters and biases, as the MLPerf reference excludes them."""
 
 
 def _positive(name: str, value: Any) -> None:

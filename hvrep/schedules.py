@@ -34,7 +34,21 @@ import tensorflow as tf
 
 from hvrep.errors import ConfigError
 
+__all__ = [
+    "DECAYS",
+    "ConstantWithWarmup",
+    "CosineDecayWithWarmup",
+    "EpochSchedule",
+    "PolynomialDecayWithWarmup",
+    "StepDecayWithWarmup",
+    "epoch_schedule",
+    "linear_scaling",
+    "steps_per_epoch",
+    "warmup_schedule",
+]
+
 DECAYS = ("polynomial", "cosine", "step", "constant")
+"""The decay names ``warmup_schedule`` and ``epoch_schedule`` take."""
 
 
 def steps_per_epoch(train_images: int, global_batch: int) -> int:

@@ -6,7 +6,7 @@ option and computes batch norm from separate ops (moments, then normalise),
 differentiating through each. On this project's CPU machine, one process, one
 TF thread, ``keras.applications.ResNet50`` at 224 px, batch 8, an SGD step took
 2.36 s (median of 3 launches) that way, 1.78 s with the fused kernel and
-1.77 s on tf_keras (``benchmarks/batch_norm.py``; README, "Throughput against
+1.77 s on tf_keras (``benchmarks/batch_norm.py``; docs/performance.md, "Throughput against
 plain Horovod"). On GPUs the fused kernel is cuDNN's.
 
 Two ways in:

@@ -18,8 +18,8 @@ ON_ERROR = ("raise", "skip")
 # ImageNet's per-channel RGB statistics, on the 0-255 scale.
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-# Padding rows of an evaluation batch carry this label and never count.
 PAD_LABEL = -1
+"""The label of an evaluation batch's padding rows, which never count."""
 
 
 @dataclass(frozen=True)

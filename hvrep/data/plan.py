@@ -84,6 +84,7 @@ class Segment:
         return self.global_batch // self.replicas
 
     def to_json(self) -> list[int]:
+        """``[replicas, global_batch, steps]``, as checkpoints store it (``from_json`` reads it back)."""
         return [int(self.replicas), int(self.global_batch), int(self.steps)]
 
     @classmethod

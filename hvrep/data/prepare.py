@@ -88,8 +88,10 @@ def prepare(src: str | Path, dst: str | Path, train_shards: int | None = None, v
     """Converts ``src`` (``train/``, ``val/`` class folders) into TFRecord shards in ``dst``.
 
     Args:
-      train_shards, val_shards: shard counts; default one per ~1,000 images,
-        at most 1,024 and 128 (TF's ImageNet layout).
+      train_shards: training shard count; default one per ~1,000 images, at
+        most 1,024 (TF's ImageNet layout).
+      val_shards: validation shard count; default one per ~1,000 images, at
+        most 128.
       on_error: "raise" stops at the first bad JPEG, naming it; "skip" leaves
         it out and lists it in the result and the manifest.
 

@@ -183,6 +183,8 @@ class DistributedOptimizer(_Optimizer):
         return list(repl.all_reduce(list(grads), op, compress=True))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Reduces ``grads`` across the replicas (the Replicator's fused all-reduce), then lets the wrapped
+        optimizer apply them. Keras' ``fit`` calls it; builds the optimizer on first use."""
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables or self.inner_optimizer._trainable_variables)
@@ -190,6 +192,7 @@ class DistributedOptimizer(_Optimizer):
         self.inner_optimizer.apply(self._reduce(list(grads)), trainable_variables)
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
+        """``apply`` for ``(gradient, variable)`` pairs; returns the optimizer's step counter."""
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
         self.apply(grads, trainable_variables)
         return self.iterations
@@ -201,6 +204,7 @@ class DistributedOptimizer(_Optimizer):
                                   "KERAS_BACKEND=tensorflow.")
 
     def scale_loss(self, loss: Any) -> Any:
+        """The wrapped optimizer's loss scaling (a ``LossScaleOptimizer`` inside scales; others return ``loss``)."""
         return self.inner_optimizer.scale_loss(loss)
 
     @property
@@ -248,4 +252,5 @@ class DistributedLossScaleOptimizer(DistributedOptimizer, LossScaleOptimizer):
         return self.inner_optimizer.dynamic_scale
 
     def check_finite(self, grads: Any) -> Any:
+        """The wrapped ``LossScaleOptimizer``'s check, on gradients already reduced, so every rank agrees."""
         return self.inner_optimizer.check_finite(grads)

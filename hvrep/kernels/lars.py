@@ -113,11 +113,17 @@ def fused_lars_apply(variables: Sequence[Any], momentums: Sequence[Any], gradien
     (Nesterov: ``w -= momentum*v + lr*ratio*g'``); ``wd`` is 0 where not decayed.
 
     Args:
-      variables, momentums: ``tf.Variable`` or ``keras.Variable``, one slot per variable, same shape.
+      variables: ``tf.Variable`` or ``keras.Variable``.
+      momentums: the momentum slots, one per variable, of its shape.
       gradients: tensors of the variables' shapes (cast to the variable's dtype, as Keras does).
       learning_rate: a scalar (float, tensor or variable).
-      momentum, weight_decay, eta, epsilon, nesterov: the LARS hyper-parameters.
-      decay, adapt: per variable, whether it gets weight decay / layer adaptation.
+      momentum: the momentum coefficient.
+      weight_decay: the coupled L2 coefficient (where ``decay``).
+      eta: the trust coefficient.
+      epsilon: added to the trust ratio's denominator.
+      nesterov: Nesterov momentum.
+      decay: per variable, whether it gets weight decay.
+      adapt: per variable, whether it gets layer adaptation (the trust ratio).
       use_kernel: None: the fused op where it can run (float32/float64
         variables, loaded for their device, not under XLA), the reference
         elsewhere; True: the fused op or KernelError; False: the reference.

@@ -136,7 +136,8 @@ def gpu_problem(driver: int, runtime: int, capabilities: Sequence[tuple[int, int
     """Why the CUDA kernels cannot run here, or None if they can.
 
     Args:
-      driver, runtime: CUDA versions (1000 * major + 10 * minor); driver 0: none installed.
+      driver: the CUDA driver's version (1000 * major + 10 * minor); 0: none installed.
+      runtime: the CUDA runtime's version, numbered the same way.
       capabilities: each visible GPU's compute capability, e.g. (9, 0).
       min_capability: the oldest GPU the kernels were compiled for.
     """

@@ -661,7 +661,7 @@ def _model_lines(link: costmodel.Interconnect, calibration: costmodel.Calibratio
              f"- S = {nbytes / 1e6:.1f} MB (ResNet-50's {cm.RESNET50_TENSORS} fp32 gradient tensors); k = {fused} "
              f"fused (128 MiB buckets) or {unfused} unfused (one per tensor)",
              "- what has been checked: the model's FORM. On namespace hosts joined by tbf-shaped links "
-             "(`benchmarks/multihost.py`, README) the α-β model fitted at other link rates predicted the "
+             "(`benchmarks/multihost.py`, docs/performance.md) the α-β model fitted at other link rates predicted the "
              "measured 2-host efficiency within 0.15 at a rate the fit never saw, over TCP with Gloo. Its "
              "constants here (NVLink, InfiniBand, NCCL, congestion at scale) are NOT checked: the rows below, "
              "and the published points beside them, stay MODEL predictions.",

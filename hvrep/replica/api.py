@@ -45,7 +45,7 @@ class Replicator:
         step ``run`` traces. "fused" (default): with TensorFlow's fused kernel
         (``FusedBatchNormV3``; cuDNN's on GPUs), as tf_keras, and so every
         Horovod example, did: a ResNet-50 step on Keras 3 took 1.33x as long
-        without it (README, "Throughput against plain Horovod"). Same
+        without it (docs/performance.md, "Throughput against plain Horovod"). Same
         outputs, gradients and moving statistics as Keras' own ops up to
         float32 rounding; taken only where it normalises exactly as Keras
         does (4-D channels-last float16/bfloat16/float32 input, training,

@@ -22,7 +22,7 @@ class CommConfig:
         soon as it exists and Horovod's background thread fuses what is
         ready each cycle). None (default): the backend's choice: 25 MiB on
         horovod, where smaller buckets overlap the backward pass (measured
-        faster than 128 MiB and than 0 on ResNet-50; README, "Throughput"),
+        faster than 128 MiB and than 0 on ResNet-50; docs/performance.md, "Throughput against plain Horovod"),
         128 MiB on the in-graph backends (not measured there; all of
         ResNet-50's 102 MB of fp32 gradients in one buffer). hvrep's buckets only: Horovod's own fusion
         buffer is ``horovod_fusion_threshold_bytes``.
@@ -37,7 +37,7 @@ class CommConfig:
         Its thread meets the other ranks in MPI once a cycle; before
         ``mpi_yield_when_idle`` was the default, a longer cycle cut how long
         Open MPI busy-polled: 5 ms ran ResNet-50 on busy CPU cores 1.37x as
-        fast (20 ms: 1.48x), while 45 ms steps ran 4% slower (README,
+        fast (20 ms: 1.48x), while 45 ms steps ran 4% slower (docs/performance.md,
         "Throughput against plain Horovod").
       mpi_yield_when_idle: how a rank waits inside MPI (Open MPI's
         ``mpi_yield_when_idle``, which hvrep sets as
@@ -60,7 +60,7 @@ class CommConfig:
         2 ranks that keep both cores of a machine busy, ResNet-50 ran 1.58x
         as fast as plain Horovod with Open MPI's stock busy polling, and at
         parity (0.99x) when Horovod's job yields too
-        (``mpirun -x OMPI_MCA_mpi_yield_when_idle=1``; README, "Throughput
+        (``mpirun -x OMPI_MCA_mpi_yield_when_idle=1``; docs/performance.md, "Throughput
         against plain Horovod").
       compression: "none", "fp16" or "bf16": the dtype gradient buffers
         travel in: the floating-point sum/mean of the reductions that ask for
@@ -69,7 +69,7 @@ class CommConfig:
         statistics, counts, metrics or other values (fp16's largest value is
         65,504). fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
-        refuses it (see README, "Backends and what they support").
+        refuses it (see docs/replica-api.md, "Backends").
       num_groups: 0 to bucket by ``fusion_threshold_bytes``; N > 0 to split
         the tensors into N groups of about equal bytes instead (Horovod's
         ``num_groups``).
@@ -85,7 +85,7 @@ class CommConfig:
         other ranks before every rank exits with one report naming the ranks
         that did not join, what each was doing, and exit code 75
         (``hvrep.errors.EXIT_HANG``; ranks in different collectives exit 65
-        without waiting; ``hvrep.replica.watchdog``; README, "Exit codes").
+        without waiting; ``hvrep.replica.watchdog``; docs/troubleshooting.md, "Exit codes").
         Default 600: a first step's tracing or a chief's checkpoint write
         that others wait on must fit. 0: never (the job can hang). Horovod
         backend with more than one rank only: on the in-graph backends one

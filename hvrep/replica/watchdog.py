@@ -200,7 +200,7 @@ def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_
         lines.append(f"hvrep: collective call #{s['call']} {s['what']}{step} has not completed within "
                      f"comm.timeout_s={timeout_s:g} s: rank(s) {', '.join(map(str, missing)) or '(none found)'} did "
                      "not join. Exiting every rank; the last complete checkpoint is kept.")
-        fix = ("Fix: see README, 'When things go wrong'. A rank without heartbeat is stopped, dead, or blocked "
+        fix = ("Fix: see docs/troubleshooting.md. A rank without heartbeat is stopped, dead, or blocked "
                "holding Python's GIL (attach `py-spy dump --pid PID` to it); a rank busy elsewhere names what it "
                "was doing. Raise comm.timeout_s if a step or checkpoint legitimately takes longer.")
         exit = EXIT_HANG
@@ -676,7 +676,7 @@ class Watchdog:
                           f"within comm.timeout_s={self.timeout_s:g} s, and rank 0, which hosts hvrep's watchdog, has "
                           f"not answered for {_now() - last_answer:.0f} s: rank 0 is stopped, dead, hung holding "
                           "Python's GIL, or its host is unreachable. Exiting; the last complete checkpoint is kept. "
-                          "Fix: see README, 'When things go wrong'.")
+                          "Fix: see docs/troubleshooting.md.")
             if self._stop.wait(self.interval):
                 return
 

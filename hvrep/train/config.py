@@ -173,7 +173,18 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one training run needs. ``output_dir`` holds checkpoints, metrics and TensorBoard logs."""
+    """Everything one training run needs.
+
+    Attributes:
+      name: the run's name, in its logs and ``metrics.jsonl``.
+      output_dir: where the run writes its checkpoints, ``metrics.jsonl`` and TensorBoard logs.
+      model: which network (``model.*``).
+      data: the input pipeline (``data.*``, ``hvrep.data.DataConfig``).
+      optim: the optimizer and learning-rate schedule (``optim.*``).
+      train: the loop (``train.*``).
+      comm: how values cross replicas (``comm.*``, ``hvrep.CommConfig``).
+      checkpoint: when checkpoints are written and how many are kept (``checkpoint.*``).
+    """
 
     name: str = "resnet50_imagenet"
     output_dir: str = "runs/resnet50_imagenet"

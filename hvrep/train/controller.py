@@ -16,8 +16,8 @@ The next epoch's input starts while this one is evaluated and saved: its
 dataset is built and its first batch read on a background thread as soon as
 the epoch's last step has run, so no epoch begins by waiting for its
 pipeline to start (``make demo``: ~70 ms of Python to build the pipeline and
-~75 ms to its first batch, ~10% of a 2-rank epoch; see README, "What the demo
-shows"). An error it meets (a missing shard, a corrupt first image) is raised
+~75 ms to its first batch, ~10% of a 2-rank epoch; see docs/performance.md,
+"The demo"). An error it meets (a missing shard, a corrupt first image) is raised
 where the epoch starts, as it would have been without it.
 
 The finished epoch's iterator is let go on another background thread: deleting a

@@ -35,9 +35,9 @@ from hvrep.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HvrepError
 from hvrep.train import config as configs
 from hvrep.train import cores, rundir
 
-# Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (README, "Exit codes"). A run stopped by SIGTERM, SIGUSR1
-# or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and metrics.jsonl's
-# `final` event (stopped="signal") say so.
+# Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (docs/troubleshooting.md, "Exit codes"). A run stopped by
+# SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and
+# metrics.jsonl's `final` event (stopped="signal") say so.
 
 
 def _model(cfg: configs.RunConfig) -> Any:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Exit codes: 0 finished, or stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (continue with --resume); "
                "2 a setting, data set or output folder to fix (the message says how); 75 a collective timed out "
                "(comm.timeout_s). Under horovodrun, Ctrl-C may end in horovodrun's own exit code 1 after hvrep's "
-               "ranks saved (README, 'Stopping a run with Ctrl-C').")
+               "ranks saved (docs/training-app.md, 'Stopping a run with Ctrl-C').")
     parser.add_argument("--config", default="resnet50_imagenet",
                         help="preset (resnet50_imagenet, demo) or a JSON file of settings")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")

@@ -6,7 +6,7 @@ holds no connection open and answers nothing) with comm.timeout_s=20: the other 
 The same SIGSTOP during Keras' model.fit (`hvrep train train.loop=fit`, whose collectives Keras' own compiled
 step issues) ends the job within comm.timeout_s + 30 s. A user's input_fn that yields more batches on one rank
 ends the job with exit code 65 (not the hang's 75) and an error naming both ranks' calls. Without the watchdog
-the last three hang until the test's own deadline (README, "When things go wrong").
+the last three hang until the test's own deadline (docs/troubleshooting.md).
 Every launch runs in its own process group, which is continued and killed whatever the test's outcome.
 
 The file's launches run 3 at a time (threads, one Popen each), for the CI clock: most of a SIGSTOP case is

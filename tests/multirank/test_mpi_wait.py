@@ -2,7 +2,7 @@
 
 Horovod's background thread meets the other ranks in MPI once a cycle. Open MPI busy-polls while it
 waits, taking a core from the training step on a machine whose cores the steps keep busy; hvrep asks
-it to yield instead (README, "Throughput against plain Horovod"). What Open MPI did is read from the
+it to yield instead (docs/performance.md, "Throughput against plain Horovod"). What Open MPI did is read from the
 waiting thread's own clock (mpi_wait_probe.py): a busy poll spends its wait in user space, a yielding
 one mostly in sched_yield, the kernel. Four launches: the default, None (Open MPI's own busy poll),
 and a script that started MPI before hvrep could set it (busy poll, and a warning with the fix); a

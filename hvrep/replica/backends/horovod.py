@@ -164,9 +164,10 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
             "hvrep: MPI started before this Replicator, so CommConfig(mpi_yield_when_idle=True) could not "
             "reach Open MPI: a rank waiting in MPI (Horovod's background thread, once a cycle) busy-polls a "
             "core the training step could use (Open MPI's yielding: ResNet-50 on busy CPU cores ran 1.58x as "
-            "fast as busy polling; README, \"Throughput against plain Horovod\"). Fix: create the Replicator "
-            "before `from mpi4py import MPI` or hvd.init(), or launch with `mpirun --mca mpi_yield_when_idle 1` "
-            "(or export OMPI_MCA_mpi_yield_when_idle=1); pass mpi_yield_when_idle=None to silence this.")
+            "fast as busy polling; docs/performance.md, \"Throughput against plain Horovod\"). Fix: create the "
+            "Replicator before `from mpi4py import MPI` or hvd.init(), or launch with "
+            "`mpirun --mca mpi_yield_when_idle 1` (or export OMPI_MCA_mpi_yield_when_idle=1); "
+            "pass mpi_yield_when_idle=None to silence this.")
 
 
 def _check_world_size(horovod_size: int) -> None:
@@ -186,8 +187,8 @@ class HorovodBackend(Backend):
     # 25 MiB (PyTorch DDP's default bucket): a bucket's all-reduce is an asynchronous Horovod op that starts
     # as soon as its gradients exist, so smaller buckets overlap the rest of the backward pass, where one
     # 128 MiB bucket waits for all 102 MB of ResNet-50's. Measured with benchmarks/vs_horovod.py, ResNet-50
-    # 224 px, 2 ranks, alternating, 3 rounds (README, "Throughput"): 25 MiB 4.27-4.41 images/s, 128 MiB
-    # 4.00-4.07, 0 (each gradient to Horovod's own fusion) 4.05-4.20.
+    # 224 px, 2 ranks, alternating, 3 rounds (docs/performance.md, "Throughput against plain Horovod"): 25 MiB
+    # 4.27-4.41 images/s, 128 MiB 4.00-4.07, 0 (each gradient to Horovod's own fusion) 4.05-4.20.
     default_fusion_threshold_bytes = 25 * 1024 * 1024
 
     def __init__(self, config: CommConfig) -> None:

@@ -1,6 +1,6 @@
 """Replicas on a TPU's cores (tf.distribute.TPUStrategy).
 
-Built to TensorFlow's TPU API; no TPU was available to run it (see README).
+Built to TensorFlow's TPU API; no TPU was available to run it (see docs/index.md, "Support matrix").
 It shares all collective code with the local backend (``_ingraph.py``),
 including the reduce-exactly-once guard (:class:`MarkingTPUStrategy`) and
 the one-replica view inside ``run``; those are tested on MirroredStrategy,

@@ -1,5 +1,5 @@
-"""hvrep.errors.EXIT_CODES is the one table of exit codes: the watchdog uses it, and the README's "Exit codes"
-section and slurm/preemptible.sbatch must say the same."""
+"""hvrep.errors.EXIT_CODES is the one table of exit codes: the watchdog uses it, and the "Exit codes" section of
+docs/troubleshooting.md and slurm/preemptible.sbatch must say the same."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from hvrep.errors import EXIT_CODES, EXIT_HANG, EXIT_MISMATCH
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_each_code_is_distinct_and_the_readme_lists_each_with_what_slurm_does():
+def test_each_code_is_distinct_and_the_docs_list_each_with_what_slurm_does():
     assert len({e.code for e in EXIT_CODES}) == len(EXIT_CODES)
     assert len({e.stopped for e in EXIT_CODES if e.stopped}) == len([e for e in EXIT_CODES if e.stopped])
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Exit codes", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    section = page.split("\n## Exit codes", 1)[1].split("\n## ", 1)[0]
     rows = {int(m[1]): m[0] for m in re.finditer(r"^\| (\d+) \|.*$", section, flags=re.M)}
     assert sorted(rows) == sorted(e.code for e in EXIT_CODES), rows
     for e in EXIT_CODES:

@@ -68,7 +68,7 @@ def test_ctrl_c_stops_every_rank_at_a_step_saves_and_says_how_to_continue(demo_d
         assert stdout.count("continue with `--resume`") == 1, key  # the chief says it
         if key[0] == "horovodrun-gloo":
             # 1 when horovodrun terminated its ranks' shells before they exited, which races with their exit
-            # (README, "Stopping a run with Ctrl-C"); either way the run was saved (checked above)
+            # (docs/training-app.md, "Stopping a run with Ctrl-C"); either way the run was saved (checked above)
             assert procs[key].returncode in (0, 1), (key, stderr[-2000:])
         else:
             assert procs[key].returncode == 0 and "Traceback" not in stderr, (key, stderr[-3000:])
