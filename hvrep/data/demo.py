@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hvrep.data.files import staging_path
 from hvrep.data.prepare import PrepareResult, prepare
 
 TRAIN_IMAGES, VAL_IMAGES = 1437, 360
@@ -36,8 +37,10 @@ def write_demo(dst: str | Path, size: int = 32, train_shards: int = 4, val_shard
             out.parent.mkdir(parents=True, exist_ok=True)
             gray = (image * (255.0 / 16.0)).astype(np.uint8)
             rgb = Image.fromarray(gray, "L").resize((size, size), Image.BILINEAR).convert("RGB")
-            tmp = out.with_suffix(".tmp")
-            rgb.save(tmp, format="JPEG", quality=95)
-            tmp.replace(out)
-        done.write_text(json.dumps({"images": len(digits.images), "size": size}))
+            staged = staging_path(out)
+            rgb.save(staged, format="JPEG", quality=95)
+            staged.replace(out)
+        staged = staging_path(done)
+        staged.write_text(json.dumps({"images": len(digits.images), "size": size}))
+        staged.replace(done)
     return prepare(folder, dst / "tfrecord", train_shards=train_shards, val_shards=val_shards, progress=progress)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,15 @@ class FolderListing:
     files: tuple[str, ...]
     labels: tuple[int, ...]
     classes: tuple[str, ...]
+
+
+def staging_path(path: Path) -> Path:
+    """A name of its own next to ``path``, to write into and then ``os.replace`` onto ``path``.
+
+    Unique per writer, so writers racing for the same output (two jobs filling one cache, a data set prepared
+    from two nodes of a shared file system) each move a complete file into place.
+    """
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
 
 
 def split_dir(root: str | Path, split: str) -> Path:

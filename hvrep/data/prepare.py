@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hvrep.data.files import list_folder, shard_name
+from hvrep.data.files import list_folder, shard_name, staging_path
 from hvrep.errors import DataError
 
 MANIFEST = "hvrep-manifest.json"
@@ -169,14 +169,16 @@ def prepare(src: str | Path, dst: str | Path, train_shards: int | None = None, v
             written[split] += len(records)
         bar.close()
         settings.setdefault("records_per_shard", {})[split] = per_shard  # type: ignore[index]
-    manifest_path.write_text(json.dumps({**settings, "written": written, "skipped": skipped}, indent=1))
+    staged = staging_path(manifest_path)
+    staged.write_text(json.dumps({**settings, "written": written, "skipped": skipped}, indent=1))
+    os.replace(staged, manifest_path)
     return PrepareResult(written, skipped, shards_written, shards_reused)
 
 
 def _write_shard(shard: Path, index: Path, records: list[bytes]) -> None:
     import tensorflow as tf
 
-    tmp_shard, tmp_index = shard.with_name(shard.name + ".tmp"), index.with_name(index.name + ".tmp")
+    tmp_shard, tmp_index = staging_path(shard), staging_path(index)
     offset, lines = 0, []
     with tf.io.TFRecordWriter(str(tmp_shard)) as writer:
         for rec in records:

@@ -121,6 +121,39 @@ def test_cli_demo_writes_the_digits_as_imagenet_folder_and_tfrecords(tmp_path):
     assert len(list_shards(tmp_path / "tf", "train").shards) == 2
 
 
+def test_writers_racing_for_the_demo_data_all_succeed_and_leave_one_complete_copy(tmp_path):
+    # Jobs (or test workers) reaching for the demo data in a fresh cache at the same moment: each file is written
+    # under a name of its own and moved into place, so none finds another's half-written or vanished file.
+    import threading
+
+    from hvrep.data import write_demo
+
+    start, errors = threading.Barrier(8), []
+
+    def writer() -> None:
+        start.wait()
+        try:
+            write_demo(tmp_path / "demo")
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == [], errors
+    from sklearn.datasets import load_digits
+
+    n = len(load_digits().images)
+    assert sum(1 for _ in (tmp_path / "demo" / "folder").rglob("*.JPEG")) == n
+    leftovers = [p.name for p in (tmp_path / "demo").rglob("*") if p.name.endswith(".tmp")]
+    assert leftovers == [], leftovers
+    records = sum(1 for split in ("train", "val")
+                  for _ in tf.data.TFRecordDataset(list(list_shards(tmp_path / "demo" / "tfrecord", split).shards)))
+    assert records == n
+
+
 def test_cli_reports_a_bad_source_as_an_error_not_a_traceback(tmp_path):
     (tmp_path / "src" / "train").mkdir(parents=True)
     res = subprocess.run([HVREP, "data", "prepare", str(tmp_path / "src"), str(tmp_path / "dst")],
