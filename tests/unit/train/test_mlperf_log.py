@@ -200,3 +200,36 @@ def test_the_division_and_submission_settings_reach_the_log(tmp_path):
         "cache_clear": True, "submission_benchmark": "resnet"}
     assert got["init_start"]["time_ms"] == 1500
 
+
+
+def _closed_rules(optimizer: str) -> dict[str, str | None]:
+    """Ruleset 4.0.0's closed ResNet rules for ``optimizer`` ("lars", "sgd"), from the installed checker's files:
+    key -> its CHECK expression (None: only required)."""
+    import yaml
+    from mlperf_logging import compliance_checker
+
+    rules = Path(compliance_checker.__file__).parent / "training_3.1.0" / f"closed_resnet_{optimizer}.yaml"
+    return {r["KEY"]["NAME"]: r["KEY"].get("CHECK") for r in yaml.safe_load(rules.read_text())}
+
+
+@pytest.mark.parametrize(("global_batch", "name"), [(4096, "sgd"), (32768, "lars")])
+def test_the_recipes_optimizers_log_the_keys_the_closed_rules_require(global_batch, name):
+    # What docs/mlperf.md says of optim.optimizer=recipe: above 8,192 (LARS) every closed LARS rule holds; up to
+    # 8,192 (Goyal's momentum SGD, step decay) the polynomial decay's power is missing and the end LR is not 1e-4.
+    import math
+
+    from mlperf_logging.compliance_checker.mlp_compliance import is_integer
+
+    from hvrep import recipes
+
+    r = recipes.imagenet_resnet50(global_batch)
+    logged = mlperf.hyperparameters(type(r.optimizer).__name__, r.optimizer.get_config(), r.epochs,
+                                    r.steps_per_epoch, 1)
+    logged["model_bn_span"] = 32  # logged by MLPerfLog from the replicas, not by hyperparameters()
+    assert logged["opt_name"] == name
+    rules = _closed_rules(name)
+    missing = set(rules) - set(logged)
+    assert missing == ({"sgd_opt_learning_rate_decay_poly_power"} if name == "sgd" else set()), missing
+    failed = [key for key, check in rules.items() if key in logged and check and not eval(
+        check.strip(), {"is_integer": is_integer, "math": math}, {"v": {"value": logged[key]}})]
+    assert failed == (["sgd_opt_end_learning_rate"] if name == "sgd" else []), failed
