@@ -26,6 +26,8 @@ MODELS = ("resnet50", "small_resnet")
 OPTIMIZERS = ("recipe", "lars", "momentum_sgd")
 PRECISIONS = ("fp32", "fp16", "bf16")
 LOOPS = ("custom", "fit")
+MLLOG_DIVISIONS = ("open", "closed")
+MLLOG_STATUSES = ("cloud", "onprem", "preview", "research")  # MLPerf's submission_status values
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,15 @@ class TrainConfig:
         first cores).
       loop: "custom" (hvrep's loop: ``controller.py``, resumable, signal-aware) or "fit" (Keras' ``model.fit``
         through ``hvrep.keras``: ``fitloop.py``; no --resume, no gradient accumulation).
+      mllog: write an MLPerf Training log (``mlperf_logging.mllog`` lines) of the run to this file, from the
+        chief only (``hvrep/train/mlperf.py``, docs/mlperf.md). An existing file is refused; a ``--resume``d
+        attempt writes the next free ``<stem>.<k><suffix>`` (k = 2, 3 ...). None (default): no MLPerf log.
+      mllog_division: the log's ``submission_division``: "open" (default) or "closed".
+      mllog_org: the log's ``submission_org``.
+      mllog_platform: the log's ``submission_platform``; None (default): "<replicas>x<CPU|GPU>", e.g. "8xGPU".
+      mllog_status: the log's ``submission_status``: "cloud", "onprem", "preview" or "research" (default).
+      mllog_cache_clear: the log's ``cache_clear``: true only when the launch script dropped the OS page cache
+        before this run (hvrep never does).
     """
 
     global_batch: int = 256
@@ -132,10 +143,24 @@ class TrainConfig:
     threads: int | None = None
     bind_cores: bool | None = None
     loop: str = "custom"
+    mllog: str | None = None
+    mllog_division: str = "open"
+    mllog_org: str = "hvrep"
+    mllog_platform: str | None = None
+    mllog_status: str = "research"
+    mllog_cache_clear: bool = False
 
     def __post_init__(self) -> None:
         _at_least("train.global_batch", self.global_batch, 1)
         _choice("train.loop", self.loop, LOOPS)
+        if self.mllog is not None and not self.mllog.strip():
+            raise ConfigError(f"train.mllog must be a file path or none, got {self.mllog!r}. Fix: e.g. "
+                              "train.mllog=mlperf.log.")
+        _choice("train.mllog_division", self.mllog_division, MLLOG_DIVISIONS)
+        _choice("train.mllog_status", self.mllog_status, MLLOG_STATUSES)
+        for key, value in (("train.mllog_org", self.mllog_org), ("train.mllog_platform", self.mllog_platform)):
+            if value is not None and not value.strip():
+                raise ConfigError(f"{key} must not be empty, got {value!r} (MLPerf's checker refuses an empty one).")
         if self.epochs is not None:
             _at_least("train.epochs", self.epochs, 1)
         _at_least("train.eval_every", self.eval_every, 1)

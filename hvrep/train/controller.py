@@ -253,6 +253,7 @@ class Controller:
                 ahead = None
                 epoch_cfg, plan, at, left, train_input = epoch_input
                 train_examples = plan.num_samples
+                self.metrics.mark("epoch_start", epoch=epoch)
                 self._anchor(epoch, at)
                 lp = _EpochLoop(epoch=epoch, position=position, at=at, segment_steps=at.steps,
                                 train_examples=train_examples, step=int(state.step.numpy()), segments=segments,
@@ -301,6 +302,7 @@ class Controller:
                                 train_top1=correct_sum / (steps_done * gb))
                 if epoch % cfg.train.eval_every == 0 or epoch == epochs:
                     watchdog.note_step(f"evaluation after epoch {epoch}")
+                    self.metrics.mark("eval_start", epoch=epoch)
                     top1, top5 = self.runner.evaluate(cfg.data, self.val_images, gb // n, cfg.train.threads)
                     line.update(top1=top1, top5=top5)
                 self.metrics.write("epoch", int(state.step.numpy()), **line)

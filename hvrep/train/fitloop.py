@@ -229,6 +229,7 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
                 position.announce(metrics, resumed.metadata, step=done, global_batch=gb, lr=lr,
                                   epochs_trained=schedule.epochs(), rule=optim.rule)
                 resumed = None
+            metrics.mark("epoch_start", epoch=epoch)
             recorder.steps, recorder.limit = 0, steps
             step_log.first_step, step_log.epoch = done, epoch
             if steps > 0:
@@ -257,6 +258,7 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
                 line.update(loss=float(recorder.logs.get("loss", float("nan"))), images_per_sec=rates[-1],
                             train_top1=float(recorder.logs.get("accuracy", float("nan"))))
             if epoch % cfg.train.eval_every == 0 or epoch == epochs:
+                metrics.mark("eval_start", epoch=epoch)
                 top1, top5 = evaluator.evaluate(cfg.data, val_images, gb // n, cfg.train.threads)
                 line.update(top1=top1, top5=top5)
             metrics.write("epoch", done, **line)

@@ -28,12 +28,13 @@ import math
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from hvrep.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HvrepError
 from hvrep.train import config as configs
-from hvrep.train import cores, rundir
+from hvrep.train import cores, mlperf, rundir
 
 # Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (docs/troubleshooting.md, "Exit codes"). A run stopped by
 # SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and
@@ -77,8 +78,10 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
       ConfigError: ``output_dir`` holds checkpoints and neither ``resume`` nor ``overwrite`` was given, or the
         data folder is missing or of another format (checked before TensorFlow is imported).
     """
+    started = time.time()  # the MLPerf log's init_start
     rundir.check_data_dir(cfg.data)
     rundir.check_output_dir(cfg.output_dir, resume, overwrite)
+    mlperf.log_path(cfg, resume, overwrite)
     from hvrep import _env
 
     _env.quiet_tensorflow_logs()
@@ -129,7 +132,7 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     keras.utils.set_random_seed(cfg.train.seed)
     if cfg.train.loop == "fit":
         return _run_fit(cfg, repl, resume, steps_per_epoch, train_images, val_images, binding, moved, skipped,
-                        budget)
+                        budget, mlperf.listeners(cfg, chief=chief, resume=resume, overwrite=overwrite, started=started))
     with repl.scope():
         model = _model(cfg)
         optim = optimizers.build(cfg, train_images)
@@ -154,7 +157,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     schedule = SchedulePosition(optim.schedule, optimizer, gb * cfg.comm.accumulation_steps)
 
     # Chief-only output is decided here, once: other ranks get a writer that does nothing.
-    metrics = MetricsWriter(out, chief)
+    metrics = MetricsWriter(out, chief, mlperf.listeners(cfg, chief=chief, resume=resume, overwrite=overwrite,
+                                                         started=started))
     _last_words(watchdog.current(), metrics, ckpt.latest)
     fast_path = {"precision": cfg.train.precision, "jit_compile": cfg.train.jit_compile,
                  "input": cfg.data.backend, "compression": cfg.comm.compression,
@@ -165,8 +169,9 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
     epochs = optim.epochs
     metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path, env=env,
-                  optimizer=type(optim.optimizer).__name__, epochs=epochs,
-                  steps_per_epoch=steps_per_epoch, resumed_from=str(restored) if restored else None)
+                  optimizer=type(optim.optimizer).__name__, optimizer_config=optim.optimizer.get_config(),
+                  epochs=epochs, steps_per_epoch=steps_per_epoch, train_images=train_images, val_images=val_images,
+                  resumed_from=str(restored) if restored else None)
     metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}), global batch {gb}, {epochs} epochs x "
                 f"{steps_per_epoch} steps, fast path {fast_path}" + (f", resumed from {restored}" if restored else ""))
     _say_start(metrics, moved, skipped)
@@ -230,7 +235,8 @@ def _say_start(metrics: Any, moved: Path | None, skipped: dict[str, list[str]] |
 
 def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: int, train_images: int,
              val_images: int, binding: cores.Binding, moved: Path | None,
-             skipped: dict[str, list[str]] | None, budget: cores.Budget) -> dict[str, Any]:
+             skipped: dict[str, list[str]] | None, budget: cores.Budget,
+             listeners: list[Any]) -> dict[str, Any]:
     """``train.loop=fit``: the same model, optimizer, data and evaluation, trained by Keras' fit."""
     import tensorflow as tf
 
@@ -240,7 +246,7 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
 
     fitloop.check_supported(cfg)
     n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
-    metrics = MetricsWriter(out, repl.is_chief)
+    metrics = MetricsWriter(out, repl.is_chief, listeners)
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,
            "cores": list(binding.cores), "bound_here": binding.bound_here, "cpu_budget": budget.why,
            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")], "tensorflow": tf.__version__}
@@ -249,8 +255,9 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
 
     def started(optimizer: Any, epochs: int, restored: Path | None) -> None:
         metrics.write("config", config=configs.to_dict(cfg), replicas=n, backend=repl.backend, fast_path=fast_path,
-                      env=env, optimizer=type(optimizer).__name__, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                      resumed_from=str(restored) if restored else None)
+                      env=env, optimizer=type(optimizer).__name__, optimizer_config=optimizer.get_config(),
+                      epochs=epochs, steps_per_epoch=steps_per_epoch, train_images=train_images,
+                      val_images=val_images, resumed_from=str(restored) if restored else None)
         metrics.say(f"hvrep train: {cfg.name} on {n} replica(s) ({repl.backend}) with model.fit, global batch {gb}, "
                     f"{epochs} epochs x {steps_per_epoch} steps" + (f", resumed from {restored}" if restored else ""))
         _say_start(metrics, moved, skipped)
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK.code
         rundir.check_data_dir(cfg.data)
         rundir.check_output_dir(cfg.output_dir, args.resume, args.overwrite)
+        mlperf.log_path(cfg, args.resume, args.overwrite)
         if not args.verbose:
             from hvrep.compat.quiet import import_tensorflow_quietly
 

@@ -3,6 +3,12 @@
 Chief-only output is decided once, here, when the run starts (jaxline's
 ``is_chief`` assembled at start-up, STYLE.md): every other rank gets writers
 that do nothing, so the loop never asks which rank it is.
+
+Other records of the run (the MLPerf log of ``train.mllog``, ``mlperf.py``) are
+:class:`Listener` objects of the chief's writer: they hear every event written to
+metrics.jsonl and the moments metrics.jsonl does not record (:meth:`MetricsWriter.mark`:
+an epoch's or an evaluation's start), so both loops feed them through the
+calls they make anyway.
 """
 
 from __future__ import annotations
@@ -10,8 +16,19 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Listener(Protocol):
+    """Hears the chief's events: those of metrics.jsonl (``write``, ``record_only``) and ``mark``'s."""
+
+    def hear(self, event: str, step: int | None, values: dict[str, Any]) -> None:
+        """One event, with the values as written (before JSON encoding)."""
+
+    def close(self) -> None:
+        """The run's output ends (``MetricsWriter.close``)."""
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -52,10 +69,11 @@ class LineProgress:
 class MetricsWriter:
     """metrics.jsonl, TensorBoard scalars and console lines; a no-op on every rank but the chief."""
 
-    def __init__(self, output_dir: Path, enabled: bool) -> None:
+    def __init__(self, output_dir: Path, enabled: bool, listeners: Sequence[Listener] = ()) -> None:
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self._listeners = tuple(listeners) if enabled else ()
         if enabled:
             import tensorflow as tf
 
@@ -70,6 +88,7 @@ class MetricsWriter:
         record = {"event": event, "time": time.time(), **({"step": step} if step is not None else {}), **values}
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
+        self._tell(event, step, values)
         if self._tb is not None and step is not None:
             import tensorflow as tf
 
@@ -84,6 +103,15 @@ class MetricsWriter:
         if self.enabled and self._file is not None:
             self._file.write(json.dumps({"event": event, "time": time.time(), **values}, default=str) + "\n")
             self._file.flush()
+            self._tell(event, None, values)
+
+    def mark(self, event: str, **values: Any) -> None:
+        """A moment the listeners hear and metrics.jsonl does not record ("epoch_start", "eval_start")."""
+        self._tell(event, None, values)
+
+    def _tell(self, event: str, step: int | None, values: dict[str, Any]) -> None:
+        for listener in self._listeners:
+            listener.hear(event, step, values)
 
     def say(self, line: str) -> None:
         """Prints ``line`` to stdout on the chief."""
@@ -106,6 +134,8 @@ class MetricsWriter:
                     file=sys.stderr, leave=False)
 
     def close(self) -> None:
+        for listener in self._listeners:
+            listener.close()
         if self._file is not None:
             self._file.close()
         if self._tb is not None:

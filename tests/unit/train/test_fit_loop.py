@@ -13,6 +13,7 @@ import tensorflow as tf
 from hvrep.errors import ConfigError
 from hvrep.train import config as configs
 from hvrep.train.checkpoint import read_metadata
+from tests.unit.train.test_mlperf_log import check_one_attempt
 from tests.unit.train.test_train_cli import BIN, HVREP, _command, _env, _events, demo_data  # noqa: F401 (a fixture)
 
 
@@ -40,9 +41,11 @@ def _iterations(checkpoint: Path) -> int:
 
 
 def _fit_then_custom_then_fit(launcher: str, data: Path, out: Path) -> None:
-    """fit stops mid-epoch at step 6; the custom loop resumes it to 9; fit resumes that to 12. Raises on a fault."""
+    """fit stops mid-epoch at step 6; the custom loop resumes it to 9; fit resumes that to 12. Raises on a fault.
+
+    Each attempt also writes its MLPerf log (train.mllog), from rank 0 only: a new file per attempt."""
     common = ["--config", "demo", f"data.data_dir={data}", f"output_dir={out}", "train.steps_per_loop=2",
-              "train.log_every=2"]
+              "train.log_every=2", f"train.mllog={out}/mllog/result.txt"]
     res = _run(launcher, [*common, "train.loop=fit", "train.max_steps=6"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "with model.fit" in res.stdout
@@ -86,6 +89,15 @@ def _fit_then_custom_then_fit(launcher: str, data: Path, out: Path) -> None:
     checkpoint = Path(later[-1]["checkpoint"])
     assert read_metadata(checkpoint)["segments"] == [[2, 64, 12]]
     assert _iterations(checkpoint) == 12
+
+    # One log per attempt (the rules allow one run_start), each written once: a second writer would repeat its
+    # lines or leave another file. Every attempt stopped at train.max_steps, in the first epoch.
+    logs = out / "mllog"
+    assert sorted(p.name for p in logs.iterdir()) == ["result.2.txt", "result.3.txt", "result.txt"]
+    for name in ("result.txt", "result.2.txt", "result.3.txt"):
+        records = check_one_attempt(logs / name, "aborted")
+        assert [r["metadata"]["epoch_num"] for r in records if r["key"] == "epoch_start"] == [1], name
+        assert next(r["value"] for r in records if r["key"] == "submission_platform") in ("2xCPU", "2xGPU")
 
 
 def test_fit_and_custom_loop_checkpoints_resume_in_each_other_under_mpirun_and_horovodrun(demo_data, tmp_path):  # noqa: F811
