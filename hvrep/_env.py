@@ -40,6 +40,9 @@ HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
 HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
 HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
 HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+# "1" in a worker that horovodrun's elastic driver started (--min-np/--max-np/--host-discovery-script): its rank and
+# size come from the driver's rendezvous at each hvd.init(), and the HOROVOD_RANK/SIZE... above are stale after a reset.
+HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
 
 # MPICH / Intel MPI (Hydra) and PMI.
 PMI_RANK = "PMI_RANK"
@@ -184,6 +187,11 @@ def transport_iface() -> str:
     """The network interface(s) Horovod's transport was told to use: HOROVOD_GLOO_IFACE (horovodrun --gloo),
     else Open MPI's OMPI_MCA_btl_tcp_if_include (names or CIDR ranges, comma-separated); "" when neither is set."""
     return (os.environ.get(HOROVOD_GLOO_IFACE) or os.environ.get(OMPI_MCA_BTL_TCP_IF_INCLUDE) or "").strip()
+
+
+def horovod_elastic() -> bool:
+    """This process is a worker of horovodrun's elastic driver (HOROVOD_ELASTIC=1)."""
+    return os.environ.get(HOROVOD_ELASTIC, "").strip() == "1"
 
 
 def cuda_visible_devices() -> str | None:
