@@ -1,5 +1,7 @@
 """Elastic training with real processes: horovodrun's elastic driver (Gloo) on two local host names.
 
+Two launches, side by side (most of each is waiting on the other's processes or on the driver):
+
 `horovodrun --gloo -np 2 --min-np 1 --max-np 2 --host-discovery-script S` with `localhost` and `127.0.0.1` as
 two hosts (Horovod's own elastic tests do this; one host needs --network-interface). elastic_worker.py, through
 the replica API and hvrep.elastic.run, has rank 0 SIGKILLed mid-epoch, a host added back and a host dropped in
@@ -7,6 +9,10 @@ one launch (see its docstring). Checked from what the workers wrote: the survivo
 the kill, rolled back to its last commit (2 steps), the joining worker and the dropped one caused no rollback,
 every worker held the same weights after each sync, and each epoch trained every sample of its steps once
 (the rolled-back steps' samples once more, after the rollback, and no others).
+
+`hvrep train --config demo` under the same driver: the test SIGKILLs rank 1 mid-epoch; the chief goes on
+alone within 30 s with the global batch kept, records the reset in metrics.jsonl (why, worlds, steps rolled
+back, seconds lost) and finishes with exit 0 at the demo's accuracy (>= 97%).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -66,24 +74,114 @@ def _records(out: Path) -> list[dict]:
     return lines
 
 
-def test_replica_api_kill_join_and_drop(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    hosts = tmp_path / "hosts"
+def _replica_api_launch(tmp: Path) -> dict:
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(_discovery_script(tmp_path, hosts)), "--network-interface", "lo",
+           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            "--blacklist-cooldown-range", "4", "5", sys.executable, str(HERE / "elastic_worker.py"),
            "--out", str(out), "--hosts", str(hosts)]
-    log = tmp_path / "job.log"
+    log = tmp / "job.log"
     with _launched(cmd, log) as proc:
         try:
             proc.wait(timeout=LIMIT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the elastic job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}")
-    text = log.read_text()
+            return {"error": f"the elastic job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
+    return {"rc": proc.returncode, "log": log.read_text(), "out": out}
+
+
+def _train_launch(tmp: Path, demo_data: Path) -> dict:
+    hosts = tmp / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    run = tmp / "run"
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
+           sys.executable, "-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
+           f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2", "elastic.commit_every_steps=7",
+           "train.log_every=5"]
+    log = tmp / "job.log"
+    with _launched(cmd, log) as proc:
+        deadline, killed_at = time.monotonic() + LIMIT_S, None
+        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
+            if sum(e["event"] == "train" for e in _events(run)) >= 9:  # step 45 of 330, in epoch 3
+                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if _rank_of(p) == 1]
+                if ranks:
+                    ranks[0].send_signal(signal.SIGKILL)
+                    killed_at = time.time()
+                    break
+            time.sleep(0.2)
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return {"error": f"hvrep train was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
+    return {"rc": proc.returncode, "log": log.read_text(), "events": _events(run), "killed_at": killed_at}
+
+
+def _events(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _rank_of(p: psutil.Process) -> int | None:
+    try:
+        if "hvrep.cli" not in " ".join(p.cmdline()):
+            return None
+        value = p.environ().get("HOROVOD_RANK")
+    except psutil.Error:
+        return None
+    return int(value) if value is not None else None
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, dict]:
+    """Both launches, run at the same time (threads)."""
+    from hvrep.data import write_demo
+
+    data = tmp_path_factory.mktemp("demo-data")
+    write_demo(data)
+    results: dict[str, dict] = {}
+    jobs = [threading.Thread(target=lambda: results.update(api=_replica_api_launch(tmp_path_factory.mktemp("api")))),
+            threading.Thread(target=lambda: results.update(
+                train=_train_launch(tmp_path_factory.mktemp("train"), data / "tfrecord")))]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+    return results
+
+
+def test_train_goes_on_after_a_kill_at_the_demo_accuracy(launches):
+    got = launches["train"]
+    assert "error" not in got, got.get("error")
+    text, events = got["log"], got["events"]
+    assert got["killed_at"] is not None, "rank 1 was never found to kill:\n" + text[-4000:]
+    assert got["rc"] == 0, text[-6000:]
+    resets = [e for e in events if e["event"] == "reset"]
+    assert len(resets) == 1, resets
+    r = resets[0]
+    assert (r["why"], r["old_world"], r["new_world"]) == ("failure", 2, 1), r
+    assert 0 <= r["steps_rolled_back"] < 7 and r["seconds_lost"] > 0, r  # back to the last commit, at most 6 steps
+    assert r["time"] - got["killed_at"] < 30, f"the reset came {r['time'] - got['killed_at']:.1f} s after the kill"
+    after = [e for e in events if e["event"] == "train" and e["time"] > r["time"]]
+    assert after, "no step trained after the reset"
+    final = events[-1]
+    assert final["event"] == "final" and final["stopped"] == "completed" and final["replicas"] == 1, final
+    assert final["top1"] >= 0.97, final
+    config = next(e for e in events if e["event"] == "config")
+    assert config["config"]["train"]["global_batch"] == 64 and config["env"]["bound_here"] is False
+
+
+def test_replica_api_kill_join_and_drop(launches):
+    got = launches["api"]
+    assert "error" not in got, got.get("error")
+    out, proc_rc = got["out"], got["rc"]
+    text = got["log"]
     records = _records(out)
-    assert proc.returncode == 0, text[-6000:]
+    assert proc_rc == 0, text[-6000:]
     assert {r["backend"] for r in records if r["event"] == "start"} == {"horovod"}
 
     # The kill, and the survivor's first step after it.
