@@ -208,8 +208,12 @@ class State:
         self._host_messages.put((timestamp, update_res))
 
     def on_reset(self) -> None:
-        """After the world re-formed: drops stale host news and calls the registered callbacks."""
+        """After the world re-formed: drops stale host news and the model's compiled Keras functions (``fit``'s
+        train step traced the old world's collectives: a mean's 1/N), then calls the registered callbacks."""
         self._host_messages = queue.Queue()
+        for attr in ("train_function", "test_function", "predict_function"):
+            if self._model is not None and getattr(self._model, attr, None) is not None:
+                setattr(self._model, attr, None)
         for callback in self._reset_callbacks:
             callback()
 

@@ -1,6 +1,6 @@
 """Elastic training with real processes: horovodrun's elastic driver (Gloo) on two local host names.
 
-Two launches, side by side (most of each is waiting on the other's processes or on the driver):
+Three launches, side by side (most of each is waiting on the other's processes or on the driver):
 
 `horovodrun --gloo -np 2 --min-np 1 --max-np 2 --host-discovery-script S` with `localhost` and `127.0.0.1` as
 two hosts (Horovod's own elastic tests do this; one host needs --network-interface). elastic_worker.py, through
@@ -13,6 +13,10 @@ every worker held the same weights after each sync, and each epoch trained every
 `hvrep train --config demo` under the same driver: the test SIGKILLs rank 1 mid-epoch; the chief goes on
 alone within 30 s with the global batch kept, records the reset in metrics.jsonl (why, worlds, steps rolled
 back, seconds lost) and finishes with exit 0 at the demo's accuracy (>= 97%).
+
+model.fit with hvrep.keras.DistributedOptimizer and the elastic callbacks (elastic_fit_worker.py): rank 0
+SIGKILLed at epoch 1, batch 8; the survivor rolls back to the commit after batch 5, trains the rest of that
+epoch and the others, and exits 0 with the toy problem learnt.
 """
 
 from __future__ import annotations
@@ -92,6 +96,24 @@ def _replica_api_launch(tmp: Path) -> dict:
     return {"rc": proc.returncode, "log": log.read_text(), "out": out}
 
 
+def _fit_launch(tmp: Path) -> dict:
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    hosts = tmp / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
+           sys.executable, str(HERE / "elastic_fit_worker.py"), "--out", str(out)]
+    log = tmp / "job.log"
+    with _launched(cmd, log) as proc:
+        try:
+            proc.wait(timeout=LIMIT_S)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the elastic fit job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
+    records = [json.loads(line) for path in sorted(out.glob("fit.*.jsonl")) for line in path.read_text().splitlines()]
+    return {"rc": proc.returncode, "log": log.read_text(), "records": records}
+
+
 def _train_launch(tmp: Path, demo_data: Path) -> dict:
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
@@ -146,7 +168,8 @@ def launches(tmp_path_factory) -> dict[str, dict]:
     results: dict[str, dict] = {}
     jobs = [threading.Thread(target=lambda: results.update(api=_replica_api_launch(tmp_path_factory.mktemp("api")))),
             threading.Thread(target=lambda: results.update(
-                train=_train_launch(tmp_path_factory.mktemp("train"), data / "tfrecord")))]
+                train=_train_launch(tmp_path_factory.mktemp("train"), data / "tfrecord"))),
+            threading.Thread(target=lambda: results.update(fit=_fit_launch(tmp_path_factory.mktemp("fit"))))]
     for job in jobs:
         job.start()
     for job in jobs:
@@ -173,6 +196,20 @@ def test_train_goes_on_after_a_kill_at_the_demo_accuracy(launches):
     assert final["top1"] >= 0.97, final
     config = next(e for e in events if e["event"] == "config")
     assert config["config"]["train"]["global_batch"] == 64 and config["env"]["bound_here"] is False
+
+
+def test_fit_with_the_callbacks_goes_on_after_a_kill(launches):
+    got = launches["fit"]
+    assert "error" not in got, got.get("error")
+    assert got["rc"] == 0, got["log"][-6000:]
+    (done,) = [r for r in got["records"] if r["event"] == "done"]
+    (reset,) = done["resets"]
+    assert (reset["why"], reset["old_size"], reset["new_size"]) == ("failure", 2, 1), reset
+    assert reset["rolled_back"] == {"batch": 3.0}, reset  # killed after batch 8, committed after batch 5
+    assert done["epoch"] == 4 and done["size"] == 1, done
+    # Epoch 1: 8 batches before the kill, then the 7 after the commit; the others 12 each.
+    assert done["batches"] == {"0": 12, "1": 15, "2": 12, "3": 12}, done["batches"]
+    assert done["accuracy"] >= 0.9, done
 
 
 def test_replica_api_kill_join_and_drop(launches):
