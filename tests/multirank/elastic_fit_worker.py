@@ -8,6 +8,9 @@ batch 8 (the last commit after batch 5, every 5 batches) rank 0 SIGKILLs itself:
 batches, trains the rest of that epoch in a fit of its own (Keras 3 cannot shorten one epoch of a fit), then
 the remaining epochs, and exits 0. DIR/fit.<host>.<pid>.jsonl gets a line per reset and one at the end (the
 resets, the epoch reached, the accuracy on held-out samples, the batches each epoch trained).
+
+With --stop-test nobody kills itself: each batch takes 0.25 s more, every epoch's end is recorded, and the
+test SIGSTOPs rank 1 (comm.timeout_s=8): the watchdog ends only the stopped worker, and the survivor goes on.
 """
 
 from __future__ import annotations
@@ -36,14 +39,19 @@ def features(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class _Trace(keras.callbacks.Callback):
     """Counts the batches each epoch trains here; rank 0 of the first world kills itself at epoch 1, batch 8."""
 
-    def __init__(self, state, repl, counts: dict) -> None:
+    def __init__(self, state, repl, counts: dict, stop_test: bool, record) -> None:
         super().__init__()
-        self.state, self.repl, self.counts = state, repl, counts
+        self.state, self.repl, self.counts, self.stop_test, self.record = state, repl, counts, stop_test, record
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.record(event="epoch", epoch=int(self.state.epoch), size=self.repl.num_replicas, at=time.time())
 
     def on_train_batch_end(self, batch, logs=None):
         epoch = int(self.state.epoch)
         self.counts[epoch] = self.counts.get(epoch, 0) + 1
-        if not self.state.resets and self.repl.num_replicas == 2 and self.repl.rank == 0 and \
+        if self.stop_test:
+            time.sleep(0.25)
+        elif not self.state.resets and self.repl.num_replicas == 2 and self.repl.rank == 0 and \
                 (epoch, self.state.batch) == (1, 8):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -51,14 +59,16 @@ class _Trace(keras.callbacks.Callback):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stop-test", action="store_true")
     args = parser.parse_args()
-    log = (args.out / f"fit.{os.environ['HOROVOD_HOSTNAME']}.{os.getpid()}.jsonl").open("a")
+    kind = "stop" if args.stop_test else "fit"
+    log = (args.out / f"{kind}.{os.environ['HOROVOD_HOSTNAME']}.{os.getpid()}.jsonl").open("a")
 
     def record(**fields) -> None:
         log.write(json.dumps(fields) + "\n")
         log.flush()
 
-    repl = hvrep.Replicator()
+    repl = hvrep.Replicator(config=hvrep.CommConfig(timeout_s=8.0) if args.stop_test else None)
     with repl.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
     optimizer = hvrep.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), repl)
@@ -69,7 +79,7 @@ def main() -> int:
     callbacks = [hvrep.keras.callbacks.UpdateBatchStateCallback(state),
                  hvrep.keras.callbacks.UpdateEpochStateCallback(state),
                  hvrep.keras.callbacks.CommitStateCallback(state, batches_per_commit=COMMIT_EVERY),
-                 _Trace(state, repl, counts)]
+                 _Trace(state, repl, counts, args.stop_test, record)]
 
     def data(epoch: int, skip: int) -> tf.data.Dataset:
         # The epoch's global batches, from batch `skip` on; this rank's part of each (the world's, now).

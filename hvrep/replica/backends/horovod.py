@@ -298,7 +298,7 @@ class HorovodBackend(Backend):
             return out.tobytes().rstrip(b"\0")
 
         watchdog.install(watchdog.Watchdog(self._rank, self._size, timeout_s, exchange,
-                                           single_host=self._local_size == self._size), self)
+                                           single_host=self._local_size == self._size, elastic=self.elastic), self)
 
     def close(self) -> None:
         """Drops the compiled steps and the variables it tracks, and its use of the watchdog (the last user
