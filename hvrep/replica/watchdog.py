@@ -37,6 +37,12 @@ not go through Horovod:
   cannot reach rank 0 (rank 0 stopped or dead) decides alone once its own
   collective has waited ``timeout_s`` plus a grace period.
 
+Under horovodrun's elastic driver (``hvrep.elastic``) a timeout ends only the ranks that did not join, where
+rank 0 can reach them: on its own host (their authenticated heartbeats named host and pid), with SIGKILL,
+which a stopped process gets too. The driver then drops that worker, the others' collective fails, and
+``hvrep.elastic.run`` rolls them back and goes on in the smaller world. A stuck rank on another host, or rank
+0 itself stuck, still ends every rank, as without elasticity.
+
 The training step that timed out never returns, so nothing after it runs: no
 checkpoint is written from it, and the last complete checkpoint stays the
 newest (checkpoints are written to a temporary folder and renamed).

@@ -1,6 +1,6 @@
 """Elastic training with real processes: horovodrun's elastic driver (Gloo) on two local host names.
 
-Three launches, side by side (most of each is waiting on the other's processes or on the driver):
+Four launches, side by side (most of each is waiting on the other's processes or on the driver):
 
 `horovodrun --gloo -np 2 --min-np 1 --max-np 2 --host-discovery-script S` with `localhost` and `127.0.0.1` as
 two hosts (Horovod's own elastic tests do this; one host needs --network-interface). elastic_worker.py, through
@@ -17,6 +17,9 @@ back, seconds lost) and finishes with exit 0 at the demo's accuracy (>= 97%).
 model.fit with hvrep.keras.DistributedOptimizer and the elastic callbacks (elastic_fit_worker.py): rank 0
 SIGKILLed at epoch 1, batch 8; the survivor rolls back to the commit after batch 5, trains the rest of that
 epoch and the others, and exits 0 with the toy problem learnt.
+
+A hung worker (SIGSTOP, elastic_fit_worker.py --stop-test, comm.timeout_s=8): hvrep's watchdog ends only the
+stopped worker, and the other goes on alone and exits 0 (without elasticity every rank ends, exit 75).
 """
 
 from __future__ import annotations
@@ -114,6 +117,41 @@ def _fit_launch(tmp: Path) -> dict:
     return {"rc": proc.returncode, "log": log.read_text(), "records": records}
 
 
+def _stop_launch(tmp: Path) -> dict:
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    hosts = tmp / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
+           sys.executable, str(HERE / "elastic_fit_worker.py"), "--out", str(out), "--stop-test"]
+    log = tmp / "job.log"
+
+    def records() -> list[dict]:
+        return [json.loads(line) for path in sorted(out.glob("stop.*.jsonl")) for line in path.read_text().splitlines()
+                if line]
+
+    with _launched(cmd, log) as proc:
+        deadline, victim, stopped_at = time.monotonic() + LIMIT_S, None, None
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            if any(r["event"] == "epoch" for r in records()):  # the first epoch trained on both
+                found = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                         if _rank_of(p, "elastic_fit_worker") == 1]
+                if found:
+                    victim = found[0]
+                    victim.send_signal(signal.SIGSTOP)
+                    stopped_at = time.time()
+                    break
+            time.sleep(0.2)
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return {"error": f"the SIGSTOP job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
+        gone = victim is not None and (not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE)
+    return {"rc": proc.returncode, "log": log.read_text(), "records": records(), "stopped_at": stopped_at,
+            "victim_gone": gone}
+
+
 def _train_launch(tmp: Path, demo_data: Path) -> dict:
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
@@ -122,12 +160,12 @@ def _train_launch(tmp: Path, demo_data: Path) -> dict:
            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            sys.executable, "-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
            f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2", "elastic.commit_every_steps=7",
-           "train.log_every=5"]
+           "train.log_every=5", "train.epochs=8", "train.threads=1"]
     log = tmp / "job.log"
     with _launched(cmd, log) as proc:
         deadline, killed_at = time.monotonic() + LIMIT_S, None
         while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            if sum(e["event"] == "train" for e in _events(run)) >= 9:  # step 45 of 330, in epoch 3
+            if sum(e["event"] == "train" for e in _events(run)) >= 9:  # step 45 of 176, in epoch 3
                 ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if _rank_of(p) == 1]
                 if ranks:
                     ranks[0].send_signal(signal.SIGKILL)
@@ -148,9 +186,10 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _rank_of(p: psutil.Process) -> int | None:
+def _rank_of(p: psutil.Process, program: str = "hvrep.cli") -> int | None:
+    """The rank the launcher started ``p`` as (its HOROVOD_RANK; stale after a reset), if it runs ``program``."""
     try:
-        if "hvrep.cli" not in " ".join(p.cmdline()):
+        if program not in " ".join(p.cmdline()):
             return None
         value = p.environ().get("HOROVOD_RANK")
     except psutil.Error:
@@ -169,7 +208,8 @@ def launches(tmp_path_factory) -> dict[str, dict]:
     jobs = [threading.Thread(target=lambda: results.update(api=_replica_api_launch(tmp_path_factory.mktemp("api")))),
             threading.Thread(target=lambda: results.update(
                 train=_train_launch(tmp_path_factory.mktemp("train"), data / "tfrecord"))),
-            threading.Thread(target=lambda: results.update(fit=_fit_launch(tmp_path_factory.mktemp("fit"))))]
+            threading.Thread(target=lambda: results.update(fit=_fit_launch(tmp_path_factory.mktemp("fit")))),
+            threading.Thread(target=lambda: results.update(stop=_stop_launch(tmp_path_factory.mktemp("stop"))))]
     for job in jobs:
         job.start()
     for job in jobs:
@@ -210,6 +250,21 @@ def test_fit_with_the_callbacks_goes_on_after_a_kill(launches):
     # Epoch 1: 8 batches before the kill, then the 7 after the commit; the others 12 each.
     assert done["batches"] == {"0": 12, "1": 15, "2": 12, "3": 12}, done["batches"]
     assert done["accuracy"] >= 0.9, done
+
+
+def test_a_stopped_worker_is_ended_alone_and_the_other_goes_on(launches):
+    got = launches["stop"]
+    assert "error" not in got, got.get("error")
+    assert got["stopped_at"] is not None, "rank 1 was never found to stop:\n" + got["log"][-4000:]
+    assert got["rc"] == 0, got["log"][-6000:]
+    assert got["victim_gone"], "the stopped worker outlived the job"
+    assert "Elastic training: ending only rank 1" in got["log"], got["log"][-4000:]
+    (done,) = [r for r in got["records"] if r["event"] == "done"]
+    (reset,) = done["resets"]
+    assert (reset["why"], reset["old_size"], reset["new_size"]) == ("failure", 2, 1), reset
+    assert done["epoch"] == 4 and done["size"] == 1, done
+    resumed = [r for r in got["records"] if r["event"] == "reset"]
+    assert resumed and resumed[0]["at"] - got["stopped_at"] < 8 + 30, "the survivor went on too late"
 
 
 def test_replica_api_kill_join_and_drop(launches):

@@ -155,6 +155,8 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
                 "export the variables before hvd.init(), or leave them None in the CommConfig."
             )
     mpi_started = _mpi_started(hvd)
+    if _env.horovod_elastic():
+        _env.set_elastic_gloo_timeout()
     _yield_asked = config.mpi_yield_when_idle
     _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms,
                                            config.mpi_yield_when_idle, mpi_started)
