@@ -160,12 +160,12 @@ def _train_launch(tmp: Path, demo_data: Path) -> dict:
            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            sys.executable, "-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
            f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2", "elastic.commit_every_steps=7",
-           "train.log_every=5", "train.epochs=8", "train.threads=1"]
+           "train.log_every=5", "train.epochs=10", "train.threads=1"]
     log = tmp / "job.log"
     with _launched(cmd, log) as proc:
         deadline, killed_at = time.monotonic() + LIMIT_S, None
         while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            if sum(e["event"] == "train" for e in _events(run)) >= 9:  # step 45 of 176, in epoch 3
+            if sum(e["event"] == "train" for e in _events(run)) >= 9:  # step 45 of 220, in epoch 3
                 ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if _rank_of(p) == 1]
                 if ranks:
                     ranks[0].send_signal(signal.SIGKILL)
