@@ -56,7 +56,8 @@ def commit_rounds(warmup: int, repeats: int, seed: int) -> tuple[list[float], li
         model = train_main._model(cfg)
         optim = optimizers.build(cfg, 1437)
         optim.optimizer.build(model.trainable_variables)
-    runner = Runner(repl, model, optim.optimizer, num_classes=cfg.model.num_classes, label_smoothing=0.0)
+    runner = Runner(repl, model, optim.optimizer, num_classes=cfg.model.num_classes, label_smoothing=0.0,
+                    fp16=False, jit_compile=False)
     state = hvrep.elastic.State(repl, model, optim.optimizer, epoch=0, step=0)
     rng = np.random.default_rng(seed)
     size, gb = cfg.data.image_size, cfg.train.global_batch
