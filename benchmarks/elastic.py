@@ -2,6 +2,7 @@
 
     python benchmarks/elastic.py --out results/elastic.jsonl             # both parts
     python benchmarks/elastic.py --quick --no-recovery                   # the commit part only, in seconds
+    python benchmarks/elastic.py --bed --recoveries 1                    # the recovery on 3 namespace hosts
 
 * ``commit``: in one process, the demo's model and optimizer (``hvrep train --config demo``: the small ResNet,
   its LARS optimizer) and its compiled training step on one synthetic batch of the demo's global batch (64);
@@ -12,7 +13,8 @@
 * ``recovery``: ``horovodrun --gloo -np 2 --min-np 1 --max-np 2 --host-discovery-script`` with ``localhost`` and
   ``127.0.0.1`` as the two hosts runs ``hvrep train --config demo`` (``train.log_every=1``, so every step is a
   metrics line); rank 1 is SIGKILLed after step 30; the time from the kill to the first step the survivor
-  completes on its own is the recovery. Each launch is one sample (``--recoveries``).
+  completes on its own is the recovery. Each launch is one sample (``--recoveries``). ``--bed``: the same on
+  3 network-namespace hosts (``hvrep.cluster.netbed``, root), ``-np 3 --min-np 2 --max-np 3``, global batch 48.
 
 One JSON line per round or launch and a summary line per part go to ``--out``.
 """
@@ -89,19 +91,29 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def recovery(tmp: Path) -> dict[str, Any]:
-    """One launch: seconds from the kill of rank 1 to the survivor's first step alone, and the reset line."""
+def recovery(tmp: Path, bed: Any = None) -> dict[str, Any]:
+    """One launch: seconds from the kill of rank 1 to the survivors' first step without it, and the reset line.
+
+    Without ``bed``: two workers on ``localhost`` and ``127.0.0.1``. With an ``hvrep.cluster.netbed.NetBed`` of
+    3 hosts: one worker on each, ``--min-np 2 --max-np 3``, global batch 48 (divisible by 2 and 3), horovodrun
+    started on h1.
+    """
     import psutil
 
     hosts, script, run = tmp / "hosts", tmp / "discover.sh", tmp / "run"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    names = list(bed.hosts) if bed is not None else ["localhost", "127.0.0.1"]
+    hosts.write_text("".join(f"{h}:1\n" for h in names))
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(script), "--network-interface", "lo", sys.executable, "-m", "hvrep.cli",
+    n, iface = len(names), ("hv0" if bed is not None else "lo")
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", str(n), "--min-np", str(n - 1), "--max-np", str(n),
+           "--host-discovery-script", str(script), "--network-interface", iface, sys.executable, "-m", "hvrep.cli",
            "train", "--config", "demo", f"output_dir={run}", "train.epochs=3", "train.log_every=1",
-           "elastic.min_np=1", "elastic.max_np=2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "train.threads=1", f"elastic.min_np={n - 1}", f"elastic.max_np={n}", "train.global_batch=48"]
+    env = {**(bed.env() if bed is not None else os.environ),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if bed is not None:
+        cmd = bed.argv_on("h1", cmd)
     with (tmp / "job.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -125,7 +137,8 @@ def recovery(tmp: Path) -> dict[str, Any]:
         return {"error": f"no kill or no reset (exit {proc.returncode}); see {tmp / 'job.log'}"}
     first = next((e for e in events if e["event"] == "train" and e["time"] > reset["time"]), None)
     final = events[-1] if events and events[-1]["event"] == "final" else {}
-    return {"recovery_s": round(first["time"] - killed, 3) if first else None, "reset": reset,
+    return {"hosts": n, "where": "netbed" if bed is not None else "local host names",
+            "recovery_s": round(first["time"] - killed, 3) if first else None, "reset": reset,
             "exit_code": proc.returncode, "top1": final.get("top1")}
 
 
@@ -133,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.timing_parser(__doc__, "results/elastic.jsonl", "part", "batch", 1, 5)
     p.add_argument("--recoveries", type=int, default=3, help="launches timed for the recovery (default 3)")
     p.add_argument("--no-recovery", action="store_true", help="the commit part only")
+    p.add_argument("--bed", action="store_true",
+                   help="the recovery on 3 network-namespace hosts (hvrep.cluster.netbed; root), --min-np 2")
     args = _common.parse_timing_args(p, argv)
     run_id, env = _common.run_id(), _common.environment()
     records: list[dict[str, Any]] = []
@@ -152,8 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_recovery:
         samples = []
         for i in range(args.recoveries):
-            with tempfile.TemporaryDirectory(prefix="hvrep-elastic-") as tmp:
-                got = recovery(Path(tmp))
+            with tempfile.TemporaryDirectory(prefix="hvrep-elastic-") as tmp, contextlib.ExitStack() as stack:
+                bed = None
+                if args.bed:
+                    from hvrep.cluster import netbed
+
+                    bed = stack.enter_context(netbed.NetBed(hosts=3, link_gbit=None))
+                got = recovery(Path(tmp), bed)
             records.append({"benchmark": "elastic", "part": "recovery", "launch": i, **got})
             print(f"recovery {i}: {got}")
             if got.get("recovery_s") is not None:
