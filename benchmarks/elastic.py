@@ -106,7 +106,7 @@ def recovery(tmp: Path, bed: Any = None) -> dict[str, Any]:
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
     n, iface = len(names), ("hv0" if bed is not None else "lo")
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", str(n), "--min-np", str(n - 1), "--max-np", str(n),
+    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", str(n), "--min-np", str(n - 1), "--max-np", str(n),
            "--host-discovery-script", str(script), "--network-interface", iface, sys.executable, "-m", "hvrep.cli",
            "train", "--config", "demo", f"output_dir={run}", "train.epochs=3", "train.log_every=1",
            "train.threads=1", f"elastic.min_np={n - 1}", f"elastic.max_np={n}", "train.global_batch=48"]

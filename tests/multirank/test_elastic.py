@@ -86,7 +86,7 @@ def _replica_api_launch(tmp: Path) -> dict:
     out.mkdir(parents=True)
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            "--blacklist-cooldown-range", "4", "5", sys.executable, str(HERE / "elastic_worker.py"),
            "--out", str(out), "--hosts", str(hosts)]
@@ -104,7 +104,7 @@ def _fit_launch(tmp: Path) -> dict:
     out.mkdir(parents=True)
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            sys.executable, str(HERE / "elastic_fit_worker.py"), "--out", str(out)]
     log = tmp / "job.log"
@@ -122,7 +122,7 @@ def _stop_launch(tmp: Path) -> dict:
     out.mkdir(parents=True)
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            sys.executable, str(HERE / "elastic_fit_worker.py"), "--out", str(out), "--stop-test"]
     log = tmp / "job.log"
@@ -156,7 +156,7 @@ def _train_launch(tmp: Path, demo_data: Path) -> dict:
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     run = tmp / "run"
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
            sys.executable, "-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
            f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2", "elastic.commit_every_steps=7",
