@@ -1,7 +1,7 @@
 """``hvrep train`` under horovodrun's elastic driver: the controller's loop inside ``hvrep.elastic.run``.
 
     horovodrun --gloo -np 4 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh \
-        hvrep train --config demo elastic.min_np=2 elastic.max_np=4
+        hvrep train --config demo train.global_batch=48 elastic.min_np=2 elastic.max_np=4
 
 The loop commits in memory every ``elastic.commit_every_steps`` steps and at each epoch's end (after its
 evaluation and checkpoint): the model's and optimizer's variables, and the step, epoch, position and the
