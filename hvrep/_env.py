@@ -40,6 +40,15 @@ HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
 HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
 HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
 HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+# "1" in a worker that horovodrun's elastic driver started (--min-np/--max-np/--host-discovery-script): its rank and
+# size come from the driver's rendezvous at each hvd.init(), and the HOROVOD_RANK/SIZE... above are stale after a reset.
+HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
+# Seconds a Gloo rendezvous waits for every rank of the world (Horovod's default: 30). In an elastic job the
+# workers already running wait there for a joining one, which must first start Python, TensorFlow and its model:
+# 15-20 s on a quiet 2-core machine, over 30 s on a loaded one, after which every rank aborted (seen in
+# tests/multirank/test_elastic.py). hvrep sets ELASTIC_GLOO_TIMEOUT_S unless it is exported.
+HOROVOD_GLOO_TIMEOUT_SECONDS = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+ELASTIC_GLOO_TIMEOUT_S = 180
 
 # MPICH / Intel MPI (Hydra) and PMI.
 PMI_RANK = "PMI_RANK"
@@ -184,6 +193,16 @@ def transport_iface() -> str:
     """The network interface(s) Horovod's transport was told to use: HOROVOD_GLOO_IFACE (horovodrun --gloo),
     else Open MPI's OMPI_MCA_btl_tcp_if_include (names or CIDR ranges, comma-separated); "" when neither is set."""
     return (os.environ.get(HOROVOD_GLOO_IFACE) or os.environ.get(OMPI_MCA_BTL_TCP_IF_INCLUDE) or "").strip()
+
+
+def horovod_elastic() -> bool:
+    """This process is a worker of horovodrun's elastic driver (HOROVOD_ELASTIC=1)."""
+    return os.environ.get(HOROVOD_ELASTIC, "").strip() == "1"
+
+
+def set_elastic_gloo_timeout() -> None:
+    """HOROVOD_GLOO_TIMEOUT_SECONDS to ELASTIC_GLOO_TIMEOUT_S unless exported; before each hvd.init()."""
+    os.environ.setdefault(HOROVOD_GLOO_TIMEOUT_SECONDS, str(ELASTIC_GLOO_TIMEOUT_S))
 
 
 def cuda_visible_devices() -> str | None:

@@ -300,3 +300,90 @@ def chief_only(replicator: Any, *callbacks: Any) -> list[Any]:
             raise ConfigError(f"{type(cb).__name__} runs collectives and must run on every rank; pass it to fit "
                               "directly, not through chief_only.")
     return list(callbacks) if replicator.is_chief else []
+
+
+# --- elastic training (hvrep.elastic): Horovod's elastic Keras callbacks, on Keras 3 -----------------------------
+
+
+def _check_state(state: Any) -> Any:
+    from hvrep.replica.elastic import State
+
+    if not isinstance(state, State):
+        raise ConfigError(f"state must be an hvrep.elastic.State, got {type(state).__name__}. Fix: "
+                          "state = hvrep.elastic.State(repl, model, optimizer, epoch=0, batch=0).")
+    return state
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commits ``state`` every ``batches_per_commit`` batches and at each epoch's end (``hvrep.elastic``).
+
+    A commit copies the model's and optimizer's variables into memory (what a lost worker rolls back to) and
+    checks for host updates; fewer commits cost less per batch and lose more on a failure.
+
+    Raises:
+      hvrep.errors.ConfigError: ``state`` is not an ``hvrep.elastic.State``, or ``batches_per_commit`` < 1.
+    """
+
+    def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        self.state = _check_state(state)
+        if int(batches_per_commit) < 1:
+            raise ConfigError(f"batches_per_commit must be >= 1, got {batches_per_commit!r}.")
+        self.batches_per_commit = int(batches_per_commit)
+        self._left = self.batches_per_commit
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._left = self.batches_per_commit
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self.state.commit()
+            self._left = self.batches_per_commit
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.state.commit()
+        self._left = self.batches_per_commit
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.batch`` at the batches of the current epoch trained, counting from where the epoch (re)started
+    at ``state.batch``; 0 again at each epoch's end. Put it before :class:`CommitStateCallback`, so a commit
+    records the batch it follows."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = _check_state(state)
+        self._start = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._start = int(getattr(self.state, "batch", 0))
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.state.batch = self._start + batch + 1
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.state.batch = 0
+        self._start = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.epoch`` at the epochs finished: the value ``fit`` started from plus the epochs it ran, whether
+    ``fit`` was called with ``initial_epoch=state.epoch`` or with ``epochs=total - state.epoch``. Put it before
+    :class:`CommitStateCallback`."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = _check_state(state)
+        self._base = 0
+        self._first: int | None = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._base, self._first = int(self.state.epoch), None
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self._first is None:
+            self._first = epoch
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.state.epoch = self._base + (epoch - (self._first or 0)) + 1

@@ -184,6 +184,11 @@ class Replicator:
         plain = [v if isinstance(v, tf.Variable) or not hasattr(v, "value") else v.value for v in variables]
         self._backend.broadcast_variables(plain, root_rank)
 
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Eagerly returns process ``root_rank``'s ``obj`` (any picklable value) on every process: a
+        collective, called by every process alike. One process (in-graph backends): ``obj`` itself."""
+        return self._backend.broadcast_object(obj, root_rank)
+
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first.
 

@@ -37,6 +37,12 @@ not go through Horovod:
   cannot reach rank 0 (rank 0 stopped or dead) decides alone once its own
   collective has waited ``timeout_s`` plus a grace period.
 
+Under horovodrun's elastic driver (``hvrep.elastic``) a timeout ends only the ranks that did not join, where
+rank 0 can reach them: on its own host (their authenticated heartbeats named host and pid), with SIGKILL,
+which a stopped process gets too. The driver then drops that worker, the others' collective fails, and
+``hvrep.elastic.run`` rolls them back and goes on in the smaller world. A stuck rank on another host, or rank
+0 itself stuck, still ends every rank, as without elasticity.
+
 The training step that timed out never returns, so nothing after it runs: no
 checkpoint is written from it, and the last complete checkpoint stays the
 newest (checkpoints are written to a temporary folder and renamed).
@@ -145,6 +151,8 @@ class Verdict:
 
     exit: ExitCode
     report: str
+    # The ranks that did not join the stuck collective (a timeout; empty for a mismatch).
+    missing: tuple[int, ...] = ()
 
 
 def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_s: float, stale_s: float,
@@ -176,6 +184,7 @@ def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_
     if not apart and not stuck:
         return None
     lines = []
+    missing: list[int] = []
     if apart:
         call = min(s["call"] for s in calm.values())
         groups: dict[str, list[int]] = {}
@@ -215,7 +224,7 @@ def verdict(states: dict[int, tuple[float, dict[str, Any]]], size: int, timeout_
     if rejected:
         lines.append(f"  (the watchdog dropped {rejected} line(s) or connection(s) that did not authenticate)")
     lines.append(fix)
-    return Verdict(exit, "\n".join(lines))
+    return Verdict(exit, "\n".join(lines), tuple(missing))
 
 
 # --- the wire: HMAC-signed lines -------------------------------------------------------------------
@@ -529,8 +538,9 @@ class Watchdog:
 
     def __init__(self, rank: int, size: int, timeout_s: float, exchange: Callable[[bytes], bytes], *,
                  single_host: bool = True, interval: float | None = None,
-                 exit_fn: Callable[[int], None] = os._exit) -> None:
+                 exit_fn: Callable[[int], None] = os._exit, elastic: bool = False) -> None:
         self.rank, self.size, self.timeout_s = rank, size, float(timeout_s)
+        self.elastic = elastic
         self.interval = interval or min(5.0, max(0.5, self.timeout_s / 10))
         # Not heard from for 3 heartbeats (and at least 5 s): not heartbeating.
         self.stale_s = max(3 * self.interval, 5.0)
@@ -638,15 +648,50 @@ class Watchdog:
                                 f"#{state.get('call', '?')} {state.get('what', '')}")
 
     def _judge(self) -> None:
+        ended: dict[int, float] = {}  # elastic: ranks this watchdog ended, and when
         while not self._stop.wait(self.interval / 2):
+            stuck = None
             with self._lock:
                 if self._verdict is None:
-                    self._verdict = verdict(self._states, self.size, self.timeout_s, self.stale_s, _now(),
-                                            self._gone, self.rejected_total)
+                    found = verdict(self._states, self.size, self.timeout_s, self.stale_s, _now(), self._gone,
+                                    self.rejected_total)
+                    recent = {r for r, t in ended.items() if _now() - t < self.timeout_s}
+                    if found is not None and found.missing and set(found.missing) <= recent:
+                        continue  # those ranks are gone: the others' collective is failing into a reset
+                    if found is not None and self.elastic and found.exit is EXIT_HANG and self._stuck_here(found):
+                        stuck = found  # not stored: no heartbeat answer may carry it to the others
+                    else:
+                        self._verdict = found
                 found = self._verdict
+            if stuck is not None:
+                self._end_stuck(stuck)
+                ended.update({r: _now() for r in stuck.missing})
+                continue
             if found is not None:
                 self._end(found.exit, found.report)
                 return
+
+    def _stuck_here(self, found: Verdict) -> bool:
+        """Elastic training: whether every rank that did not join can be ended from here: rank 0 shares their
+        host (their authenticated heartbeats named host and pid). Otherwise every rank ends, as without
+        elasticity. Called with the lock held."""
+        me = socket.gethostname()
+        targets = {r: self._states.get(r, (0.0, {}))[1] for r in found.missing}
+        return bool(targets) and all(st.get("host") == me and st.get("pid") and r != self.rank
+                                     for r, st in targets.items())
+
+    def _end_stuck(self, found: Verdict) -> None:
+        """Ends only the ranks that did not join (SIGKILL, which a stopped process gets too), so the elastic
+        driver drops them and the others' collective fails into a reset (``hvrep.elastic.run``) instead of
+        hanging. Their heartbeat records go: the next verdict is about the new world."""
+        with self._lock:
+            targets = {r: self._states.pop(r, (0.0, {}))[1] for r in found.missing}
+        for r, st in targets.items():
+            first = found.report.splitlines()[0].split(" Exiting every rank")[0]
+            print(f"{first} Elastic training: ending only rank {r} (pid {st['pid']}); the others go on without it.",
+                  file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                os.kill(int(st["pid"]), signal.SIGKILL)
 
     # --- every rank: the heartbeat ----------------------------------------------------------
 

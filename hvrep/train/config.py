@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -197,6 +198,52 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic training (``horovodrun --min-np A --max-np B --host-discovery-script S hvrep train ...``; only
+    read under horovodrun's elastic driver).
+
+    Attributes:
+      commit_every_steps: steps between in-memory commits (a lost worker costs the steps since the last one;
+        an epoch's end commits too). 20: a demo step's commit copies ~0.7 MB, well under the 2% goal
+        (``benchmarks/elastic.py``).
+      min_np, max_np: the launch's --min-np and --max-np (horovodrun does not tell its workers): every world
+        size between them must divide ``train.global_batch``, which elastic training keeps.
+    """
+
+    commit_every_steps: int = 20
+    min_np: int | None = None
+    max_np: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("elastic.commit_every_steps", self.commit_every_steps, 1)
+        for name in ("min_np", "max_np"):
+            if getattr(self, name) is not None:
+                _at_least(f"elastic.{name}", getattr(self, name), 1)
+        if self.min_np is not None and self.max_np is not None and self.min_np > self.max_np:
+            raise ConfigError(f"elastic.min_np={self.min_np} is above elastic.max_np={self.max_np}. Fix: give "
+                              "horovodrun's --min-np and --max-np.")
+
+    def check_batch(self, global_batch: int) -> None:
+        """Refuses a global batch some world size in [min_np, max_np] does not divide.
+
+        Raises:
+          hvrep.errors.ConfigError: min_np or max_np not given, or a world size that does not divide.
+        """
+        if self.min_np is None or self.max_np is None:
+            raise ConfigError("this run is elastic (horovodrun's elastic driver started it), and hvrep needs the "
+                              "launch's world sizes to check the global batch against them. Fix: add "
+                              "elastic.min_np=A elastic.max_np=B with horovodrun's --min-np A --max-np B.")
+        bad = [n for n in range(self.min_np, self.max_np + 1) if global_batch % n]
+        if bad:
+            lcm = math.lcm(*range(self.min_np, self.max_np + 1))
+            fit = max(lcm, global_batch // lcm * lcm)
+            raise ConfigError(
+                f"train.global_batch={global_batch} does not divide by world size(s) {bad} of elastic.min_np="
+                f"{self.min_np}..elastic.max_np={self.max_np}: elastic training keeps the global batch at every "
+                f"size. Fix: train.global_batch={fit} (a multiple of {lcm}), or narrow --min-np/--max-np.")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one training run needs.
 
@@ -219,6 +266,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         # Checked here too (optim.py checks the length a checkpoint gives), so that `hvrep train` refuses it
@@ -229,7 +277,7 @@ class RunConfig:
                               f"{epochs}). Fix: a shorter optim.warmup_epochs or a larger train.epochs.")
 
 
-SECTIONS = ("model", "data", "optim", "train", "comm", "checkpoint")
+SECTIONS = ("model", "data", "optim", "train", "comm", "checkpoint", "elastic")
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -120,6 +120,8 @@ class Controller:
         self.schedule = schedule
         self.schedule_rule = schedule_rule
         self._announced = False
+        # An elastic run's commits (hvrep.train.elastic.ElasticLoop sets it), or None.
+        self.elastic: Any = None
 
     def _save(self, epoch: int, segments: list[Segment], train_examples: int) -> None:
         """Saves on every rank's call (the chief writes), with where the epoch's data stands."""
@@ -183,7 +185,7 @@ class Controller:
         t = self.cfg.train
         every = self.cfg.checkpoint.every_steps
         return (lp.in_loop >= t.steps_per_loop or lp.step % t.log_every == 0 or bool(every and lp.step % every == 0)
-                or bool(t.max_steps and lp.step >= t.max_steps))
+                or bool(t.max_steps and lp.step >= t.max_steps) or bool(self.elastic and self.elastic.due(lp.step)))
 
     def _end_of_loop(self, lp: _EpochLoop, stop: Any) -> str | None:
         """One host round-trip: the loop's totals and the stop agreement in one reduce, then the actions due at
@@ -208,6 +210,8 @@ class Controller:
                                images_per_sec=ips, train_top1=lp.correct_sum / (lp.steps_done * gb))
         if cfg.checkpoint.every_steps and lp.step % cfg.checkpoint.every_steps == 0:
             self._save(lp.epoch, lp.segments, lp.train_examples)
+        if self.elastic is not None and self.elastic.due(lp.step):
+            self.elastic.commit(lp.step, lp.epoch, lp.position + lp.steps_done, lp.segments)
         if int(flags["stop"]) > 0:
             return "signal"
         if cfg.train.max_steps and lp.step >= cfg.train.max_steps:
@@ -239,7 +243,10 @@ class Controller:
         summary: dict[str, Any] = {"stopped": "completed"}
         top1 = top5 = float("nan")
         images_per_sec: list[float] = []
-        segments = self.resumed.segments(n, gb) if self.resumed else []
+        if self.elastic is not None:  # where the last commit stands (the loop's variables are set from it)
+            segments = self.elastic.enter()
+        else:
+            segments = self.resumed.segments(n, gb) if self.resumed else []
         train_examples = 0
         # The next epoch's input (its _epoch_input and the future of its _batches), starting on `pool` while this
         # epoch is evaluated and saved (see the module docstring).
@@ -268,6 +275,8 @@ class Controller:
                         watchdog.note_step(f"train step {lp.step + 1}")  # what a timeout report names
                         self.runner.train(x, y)
                         lp.advance()
+                        if self.elastic is not None:
+                            self.elastic.state.step = lp.step  # live: a rollback says how many steps it undid
                         if self._loop_ends(lp) and (reason := self._end_of_loop(lp, stop)):
                             summary["stopped"] = reason
                             break
@@ -312,6 +321,8 @@ class Controller:
                 self.metrics.say(f"epoch {epoch}/{epochs}  {trained}{acc}")
                 if epoch % cfg.checkpoint.every_epochs == 0 or epoch == epochs:
                     self._save(epoch, segments, train_examples)
+                if self.elastic is not None:
+                    self.elastic.commit(int(state.step.numpy()), epoch, 0, [])
                 target = cfg.train.target_accuracy
                 if target is not None and "top1" in line and top1 >= target:
                     summary["stopped"] = "target_accuracy"

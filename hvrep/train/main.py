@@ -84,6 +84,13 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     mlperf.log_path(cfg, resume, overwrite)
     from hvrep import _env
 
+    elastic = _env.horovod_elastic()
+    if elastic:
+        cfg.elastic.check_batch(cfg.train.global_batch)
+        if cfg.train.loop == "fit":
+            raise HvrepError("train.loop=fit is not elastic in hvrep train yet. Fix: train.loop=custom under "
+                             "horovodrun's elastic driver (or your own model.fit with hvrep.keras.callbacks).")
+
     _env.quiet_tensorflow_logs()
     import keras
     import tensorflow as tf
@@ -104,7 +111,9 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     # starts (its pools are fixed then); the resolved values replace the settings, so the data pipeline gets
     # them and metrics.jsonl records them.
     placement = hvrep.resolve_placement()
-    budget = cores.default_budget(cfg.train.threads, cfg.train.bind_cores, placement.local_size)
+    # Elastic: no binding. Several "hosts" may be one machine, each rank local rank 0 of its own, and local ranks
+    # change at each reset: binding by local rank would put them on the same cores.
+    budget = cores.default_budget(cfg.train.threads, False if elastic else cfg.train.bind_cores, placement.local_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=budget.threads,
                                                              bind_cores=budget.bind))
     _limit_threads(cfg.train.threads)
@@ -176,8 +185,23 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
                 f"{steps_per_epoch} steps, fast path {fast_path}" + (f", resumed from {restored}" if restored else ""))
     _say_start(metrics, moved, skipped)
 
-    result = Controller(cfg, runner, state, ckpt, metrics, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        val_images=val_images, resumed=resumed, schedule=schedule, schedule_rule=optim.rule).run()
+    controller = Controller(cfg, runner, state, ckpt, metrics, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                            val_images=val_images, resumed=resumed, schedule=schedule, schedule_rule=optim.rule)
+    if elastic:
+        from hvrep.train.elastic import ElasticLoop
+
+        def after_reset() -> None:
+            # Rank 0 of the new world is the chief: it takes over metrics.jsonl and the checkpoints.
+            if repl.is_chief and not controller.metrics.enabled:
+                controller.metrics = MetricsWriter(out, True)
+            ckpt.is_chief = repl.is_chief
+            _last_words(watchdog.current(), controller.metrics, ckpt.latest)
+
+        segments = resumed.segments(n, gb) if resumed else []
+        result = ElasticLoop(controller, cfg.elastic.commit_every_steps, after_reset, segments).run()
+        metrics, n = controller.metrics, repl.num_replicas
+    else:
+        result = controller.run()
     rates = result["images_per_sec"]
     summary = {k: result[k] for k in ("stopped", "time_to_accuracy_sec") if k in result}
     summary.update(step=int(state.step.numpy()), epoch=int(state.epoch.numpy()), top1=result["top1"],

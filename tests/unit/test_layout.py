@@ -19,7 +19,7 @@ PACKAGE = ROOT / "hvrep"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("hvrep.errors", "hvrep._env", "hvrep._version", "hvrep.compat")),
     ("kernels", ("hvrep.kernels",)),
-    ("replica", ("hvrep.replica",)),
+    ("replica", ("hvrep.replica", "hvrep.elastic")),  # hvrep.elastic re-exports hvrep.replica.elastic
     ("keras building blocks", ("hvrep.layers", "hvrep.optimizers", "hvrep.schedules", "hvrep.models",
                                "hvrep.recipes", "hvrep.keras")),
     ("data", ("hvrep.data",)),

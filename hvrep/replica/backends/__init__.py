@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from hvrep import _env
 from hvrep.errors import ConfigError, SetupError
 from hvrep.replica.backends.base import Backend
 from hvrep.replica.comm import CommConfig
@@ -33,8 +34,9 @@ def _class(name: str) -> type[Backend]:
 
 
 def create(name: str, config: CommConfig) -> Backend:
-    """Creates the backend ``name``; "auto" is horovod when a launcher started more than one rank, else tpu
-    when a TPU is attached, else local.
+    """Creates the backend ``name``; "auto" is horovod when a launcher started more than one rank or horovodrun's
+    elastic driver started this process (even as a world of one: others may join), else tpu when a TPU is
+    attached, else local.
 
     Raises:
       hvrep.errors.SetupError: "auto" under a multi-rank launcher, and Horovod cannot start. Falling back to
@@ -44,7 +46,7 @@ def create(name: str, config: CommConfig) -> Backend:
         raise ConfigError(f"backend must be one of {(*BACKENDS, 'auto')}, got {name!r}.")
     if name == "auto":
         placement = resolve_placement()
-        if placement.size > 1:
+        if placement.size > 1 or _env.horovod_elastic():
             try:
                 backend = _class("horovod")(config)
             except SetupError as e:

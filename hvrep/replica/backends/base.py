@@ -247,6 +247,10 @@ class Backend(abc.ABC):
         if not 0 <= root < self.num_processes:
             raise CollectiveError(f"root_rank={root} is not a process rank in [0, {self.num_processes}).")
 
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Eager: process ``root``'s ``obj`` (picklable) on every process. One process: ``obj`` itself."""
+        return obj
+
     @abc.abstractmethod
     def broadcast(self, x: tf.Tensor, root: int) -> tf.Tensor: ...
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import pickle
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,8 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
                 "export the variables before hvd.init(), or leave them None in the CommConfig."
             )
     mpi_started = _mpi_started(hvd)
+    if _env.horovod_elastic():
+        _env.set_elastic_gloo_timeout()
     _yield_asked = config.mpi_yield_when_idle
     _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms,
                                            config.mpi_yield_when_idle, mpi_started)
@@ -168,6 +172,37 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
             "Replicator before `from mpi4py import MPI` or hvd.init(), or launch with "
             "`mpirun --mca mpi_yield_when_idle 1` (or export OMPI_MCA_mpi_yield_when_idle=1); "
             "pass mpi_yield_when_idle=None to silence this.")
+
+
+# The horovod backends of this process that are not closed: an elastic reset re-forms the world under every one.
+_LIVE: weakref.WeakSet[HorovodBackend] = weakref.WeakSet()
+
+
+def reform_world() -> None:
+    """Re-forms Horovod's world after a lost worker or a host update (elastic training), for every live backend.
+
+    Every collective of the old world has failed or completed by now (the caller caught the failure or reached
+    a commit); ``hvd.shutdown()`` ends Horovod's background thread, ``hvd.init()`` blocks until the elastic
+    driver's rendezvous hands this process its place in the new world. hvrep started Horovod itself with the
+    first backend's settings, so this start is recorded, not refused as a user's early ``hvd.init()`` would be.
+    The watchdog is stopped first (its server may sit on a rank that is gone) and restarted in the new world.
+
+    Raises:
+      hvrep.errors.SetupError: no horovod backend is live in this process.
+    """
+    backends = list(_LIVE)
+    if not backends:
+        raise SetupError("an elastic reset needs a live hvrep.Replicator on the horovod backend; none is open. "
+                         "Fix: create the Replicator (backend 'horovod' or 'auto' under horovodrun) before "
+                         "hvrep.elastic.run's function runs, and keep it open.")
+    hvd = compat.import_horovod()
+    watchdog.install(None)
+    hvd.shutdown()
+    _start_horovod(hvd, backends[0].config, started_by_hvrep=True)
+    for b in backends:
+        b.reform()
+    for b in backends:
+        b.restart_watchdog()
 
 
 def _check_world_size(horovod_size: int) -> None:
@@ -204,16 +239,48 @@ class HorovodBackend(Backend):
         # traced, in run or in Keras' fit (hvrep.replica.watchdog.Watched): nothing else needs to mark them.
         self._doing = ""
         self.hvd = watchdog.Watched(hvd, lambda: self._doing or _OUTSIDE_RUN)
-        _check_world_size(int(self.hvd.size()))
-        # Read once: hvrep runs a fixed set of ranks (no elastic Horovod), so they cannot change.
-        self._rank, self._size = int(self.hvd.rank()), int(self.hvd.size())
-        self._local_rank, self._local_size = int(self.hvd.local_rank()), int(self.hvd.local_size())
+        # Under horovodrun's elastic driver the world comes from its rendezvous (the launcher's variables are
+        # stale after the first reset); otherwise it must be the launcher's.
+        self.elastic = _env.horovod_elastic()
+        if not self.elastic:
+            _check_world_size(int(self.hvd.size()))
+        self._read_world()
         self._gpu = bind_gpu(self._local_rank)
         self._scope_vars: dict[int, tf.Variable] = {}
         self._functions = FunctionCache()
         self._signature: list[str] | None = None
         self._eager_names = 0
         self._start_watchdog(config.timeout_s)
+        _LIVE.add(self)
+
+    def _read_world(self) -> None:
+        """Rank, size, local rank and local size, from Horovod's live values: read at start and after each
+        elastic reset (hvrep.replica.elastic), never per call (they cost a call into Horovod each)."""
+        self._rank, self._size = int(self.hvd.rank()), int(self.hvd.size())
+        self._local_rank, self._local_size = int(self.hvd.local_rank()), int(self.hvd.local_size())
+
+    def reform(self) -> None:
+        """Follows a world Horovod has just re-formed (an elastic reset: ``hvd.shutdown()``, ``hvd.init()``).
+
+        Rank and size are read again; the compiled steps are dropped, since a traced step holds the old world
+        (a mean's 1/N prescale, the signature checked on its first call), so the next ``run`` traces and checks
+        anew against the new world and broadcasts rank 0's values of the variables it uses that the elastic
+        state's sync did not; the eager collectives' names restart (a joining worker starts its count at 0).
+        Called on every backend of the process by :func:`reform_world`. The GPU stays the one bound at start
+        (TensorFlow binds once per process).
+        """
+        self._read_world()
+        self._functions = FunctionCache()
+        self._signature = None
+        self._eager_names = 0
+        # A joining worker holds none of them: its first run broadcasts every variable the step uses that the
+        # elastic state did not, and so must the others'.
+        self._scope_vars.clear()
+
+    def restart_watchdog(self) -> None:
+        """Starts this backend's watchdog for the current world (after :meth:`reform`): rank 0's server, with a
+        new secret, on whichever process is rank 0 now."""
+        self._start_watchdog(self.config.timeout_s)
 
     def _start_watchdog(self, timeout_s: float) -> None:
         """One hang watchdog per process (CommConfig.timeout_s > 0, more than one rank); a later Replicator
@@ -234,7 +301,7 @@ class HorovodBackend(Backend):
             return out.tobytes().rstrip(b"\0")
 
         watchdog.install(watchdog.Watchdog(self._rank, self._size, timeout_s, exchange,
-                                           single_host=self._local_size == self._size), self)
+                                           single_host=self._local_size == self._size, elastic=self.elastic), self)
 
     def close(self) -> None:
         """Drops the compiled steps and the variables it tracks, and its use of the watchdog (the last user
@@ -242,6 +309,7 @@ class HorovodBackend(Backend):
         self._functions = FunctionCache()
         self._scope_vars.clear()
         watchdog.release(self)
+        _LIVE.discard(self)
 
     @contextlib.contextmanager
     def _calling(self, what: str) -> Iterator[None]:
@@ -261,11 +329,11 @@ class HorovodBackend(Backend):
 
     @property
     def num_replicas(self) -> int:
-        return int(self.hvd.size())
+        return self._size
 
     @property
     def is_chief(self) -> bool:
-        return int(self.hvd.rank()) == 0
+        return self._rank == 0
 
     @property
     def rank(self) -> int:
@@ -295,6 +363,11 @@ class HorovodBackend(Backend):
     def scope(self) -> Iterator[None]:
         with _capture_variables() as created:
             yield
+        if self.elastic:
+            # A worker that joins a running elastic job reaches this while the others are past it: a broadcast
+            # here would pair with nothing. hvrep.elastic.State's sync broadcasts what it tracks, and the first
+            # run after each reset broadcasts every other variable the step uses, on every rank alike.
+            return
         for v in created:
             self._scope_vars[id(v)] = v
         with self._calling("scope()'s broadcast of its variables"):
@@ -431,6 +504,17 @@ class HorovodBackend(Backend):
         if not 0 <= root < self.num_replicas:
             raise CollectiveError(f"broadcast root={root} is not a replica id in [0, {self.num_replicas}).")
         return move_bf16_as_bits(x, lambda w: self.hvd.broadcast(w, root_rank=root))
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Rank ``root``'s ``obj`` on every rank: its pickle's length, then its bytes, in two named broadcasts
+        (eager, watched). Only plain values travel this way (the elastic state's scalars)."""
+        data = np.frombuffer(pickle.dumps(obj), np.uint8) if self._rank == root else np.zeros(0, np.uint8)
+        with self._calling("an elastic state's sync (broadcast of its values)"):
+            n = int(self.hvd.broadcast(tf.constant([len(data)], tf.int64), root_rank=root,
+                                       name=self._name("object_len")).numpy()[0])
+            buf = data if self._rank == root else np.zeros(n, np.uint8)
+            out = self.hvd.broadcast(tf.constant(buf), root_rank=root, name=self._name("object")).numpy()
+        return obj if self._rank == root else pickle.loads(out.tobytes())
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(int(self.hvd.rank()), tf.int32)

@@ -1,0 +1,43 @@
+"""An elastic `hvrep train` refuses a global batch that some world size in [min_np, max_np] does not divide."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hvrep.errors import ConfigError
+from hvrep.train.config import ElasticConfig
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_named_with_the_fix():
+    with pytest.raises(ConfigError) as e:
+        ElasticConfig(min_np=3, max_np=4).check_batch(64)
+    msg = str(e.value)
+    assert "train.global_batch=64 does not divide by world size(s) [3]" in msg, msg
+    assert "elastic.min_np=3..elastic.max_np=4" in msg and "Fix: train.global_batch=60 (a multiple of 12)" in msg
+    ElasticConfig(min_np=1, max_np=4).check_batch(48)  # 1, 2, 3, 4 all divide 48
+
+
+def test_min_np_above_max_np_and_missing_sizes_are_refused():
+    with pytest.raises(ConfigError, match=re.escape("elastic.min_np=3 is above elastic.max_np=2")):
+        ElasticConfig(min_np=3, max_np=2)
+    with pytest.raises(ConfigError, match=re.escape("Fix: add elastic.min_np=A elastic.max_np=B")):
+        ElasticConfig().check_batch(64)
+
+
+def test_hvrep_train_under_the_elastic_driver_refuses_the_start(tmp_path):
+    # HOROVOD_ELASTIC=1 is what horovodrun's elastic driver sets in its workers; the check runs before TensorFlow.
+    from hvrep.data import write_demo
+
+    write_demo(tmp_path / "demo")
+    env = {**os.environ, "HOROVOD_ELASTIC": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    res = subprocess.run([sys.executable, "-m", "hvrep.cli", "train", "--config", "demo",
+                          f"data.data_dir={tmp_path / 'demo' / 'tfrecord'}", f"output_dir={tmp_path / 'run'}",
+                          "elastic.min_np=3", "elastic.max_np=4"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "train.global_batch=64 does not divide by world size(s) [3]" in res.stderr, res.stderr[-2000:]
