@@ -52,7 +52,12 @@ _log = logging.getLogger("hvrep")
 _HOROVOD_FAILURE_MARKS = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast", "HorovodAlltoall",
                           "HorovodReducescatter", "HorovodBarrier", "HorovodJoin", "Horovod has been shut down")
 
-FAILURE, HOSTS_ADDED, HOSTS_REMOVED = "failure", "hosts added", "hosts removed"
+FAILURE = "failure"
+"""``Reset.why`` when a worker was lost: the state was rolled back to the last commit."""
+HOSTS_ADDED = "hosts added"
+"""``Reset.why`` when the discovery script added hosts: the world grew at a commit, nothing rolled back."""
+HOSTS_REMOVED = "hosts removed"
+"""``Reset.why`` when the discovery script dropped hosts: the world shrank at a commit, nothing rolled back."""
 
 
 def lost_worker(error: BaseException) -> bool:

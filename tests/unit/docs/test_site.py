@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-PUBLIC_MODULES = ("hvrep", "hvrep.keras", "hvrep.data", "hvrep.optimizers", "hvrep.schedules")
+PUBLIC_MODULES = ("hvrep", "hvrep.keras", "hvrep.data", "hvrep.optimizers", "hvrep.schedules", "hvrep.elastic")
 
 
 @pytest.fixture(scope="module")
