@@ -80,8 +80,15 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# Two pytest-xdist workers, then the few tests that need the machine alone (marked serial). Most of the suite's
+# time is spent waiting for launched jobs (TensorFlow's import, rendezvous, a watchdog's timeout), which a second
+# worker fills. A test file runs whole on one worker (its module and session fixtures, e.g. one launch for many
+# cases, are made once); what files share outside pytest (caches under ~/.cache/hvrep, Slurm clusters on free
+# ports) is safe to use from two at once.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m serial $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml, docs/). The API reference is read from the sources without importing
 # them, so this needs no TensorFlow; `make test` builds it too (tests/unit/docs/test_site.py).

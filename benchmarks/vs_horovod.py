@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -206,8 +207,18 @@ def legacy_keras_python(tf_version: str) -> Path:
     tag = hashlib.sha256(shared.encode()).hexdigest()[:10]
     root = _env.cache_dir() / f"legacy-keras-venv-tf{tf_version}-tfkeras{tf_version}-{tag}"
     python, ready = root / "bin" / "python", root / ".hvrep-ready"
-    if ready.is_file() and python.exists() and json.loads(ready.read_text()).get("shares") == shared:
-        return python
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # One creator at a time (two benchmarks, or two test workers, starting on a fresh cache): the others wait for
+    # it here and then find the venv ready, instead of deleting it under each other.
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (ready.is_file() and python.exists() and json.loads(ready.read_text()).get("shares") == shared):
+            _create_legacy_venv(root, tf_version, shared)
+    return python
+
+
+def _create_legacy_venv(root: Path, tf_version: str, shared: str) -> None:
+    python, ready = root / "bin" / "python", root / ".hvrep-ready"
     if root.exists():
         shutil.rmtree(root)
     # This venv's own base interpreter: the shared packages are built for its version.
@@ -224,7 +235,6 @@ def legacy_keras_python(tf_version: str) -> Path:
     _run_checked([str(python), "-c", check], "import tf.keras as tf_keras with Horovod",
                  env={**os.environ, LEGACY_KERAS: "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     ready.write_text(json.dumps({"tensorflow": tf_version, "tf_keras": tf_version, "shares": shared}) + "\n")
-    return python
 
 
 def _run_checked(argv: list[str], what: str, env: Mapping[str, str] | None = None) -> None:

@@ -10,3 +10,4 @@ import tensorflow as tf
 # replicas in one process. Must happen before TensorFlow initialises devices.
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+

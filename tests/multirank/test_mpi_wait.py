@@ -18,7 +18,8 @@ import pytest
 
 from tests.multirank import harness
 
-pytestmark = pytest.mark.multirank
+# The waiting thread's own clock: another test's load would change how much CPU it got.
+pytestmark = [pytest.mark.multirank, pytest.mark.serial]
 
 
 def _probe(mode: str, tmp_path, mpirun_args: tuple[str, ...] = ()) -> tuple[dict, str]:
