@@ -175,9 +175,9 @@ def _sigstop_fit(launcher: str, tmp: Path, demo_data: Path) -> str:
 def _uneven(launcher: str, tmp: Path, demo_data: Path) -> str:
     log = tmp / "job.log"
     script = str(harness.HERE / "uneven_input.py")
-    returncode = harness.run_logged(harness.two_ranks(launcher, [script]), log, timeout=150)
+    returncode = harness.run_logged(harness.two_ranks(launcher, [script]), log, timeout=240)
     if returncode is None:
-        pytest.fail(f"uneven input hung the job past 150 s:\n{log.read_text()[-4000:]}")
+        pytest.fail(f"uneven input hung the job past 240 s:\n{log.read_text()[-4000:]}")
     text = log.read_text()
     assert returncode == (EXIT_MISMATCH.code if launcher == "mpirun" else 1), text[-4000:]  # horovodrun says 1
     assert "rank(s) 0 in reduce(mean) at uneven_input.py:33: allgather int64[1]; rank(s) 1 in run(step_fn): " \
