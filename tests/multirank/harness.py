@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,18 +55,13 @@ def clean_env() -> dict[str, str]:
 
 def run_logged(cmd: list[str], log: Path, timeout: float) -> int | None:
     """Runs ``cmd`` (in ``clean_env()``, from the checkout) in a process group of its own, its output to
-    ``log``; returns its exit code, or None if it ran past ``timeout``. The group is killed either way, so no
-    rank outlives the test."""
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT,
-                                start_new_session=True)
+    ``log``; returns its exit code, or None if it ran past ``timeout``. Everything it started is killed either
+    way (:func:`launched`), so no rank outlives the test."""
+    with launched(cmd, log) as proc:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def command(launcher: str, out: Path, modules: list[Path], np: int = NP, only: str = "") -> list[str]:
@@ -126,6 +122,32 @@ def two_ranks(launcher: str, python_args: list[str]) -> list[str]:
 def train_command(launcher: str, args: list[str]) -> list[str]:
     """``hvrep train args`` on 2 ranks of this machine under ``launcher`` (:func:`two_ranks`)."""
     return two_ranks(launcher, ["-m", "hvrep.cli", "train", *args])
+
+
+@contextlib.contextmanager
+def launched(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """``cmd`` in a process group of its own, its output in ``log``; on the way out every process it started is
+    continued (a test may have stopped one) and killed."""
+    import psutil
+
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT,
+                                start_new_session=True)
+        try:
+            yield proc
+        finally:
+            family = []
+            with contextlib.suppress(psutil.Error):
+                family = psutil.Process(proc.pid).children(recursive=True)
+            for p in family:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for p in family:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            proc.wait(timeout=30)
 
 
 def launch(launcher: str, out: Path, modules: list[Path], np: int = NP, timeout: float = 420,

@@ -16,9 +16,7 @@ bounds are checked as before; each (scenario, launcher) is still its own test, f
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import time
@@ -62,27 +60,9 @@ def _rank_of(p: psutil.Process) -> int | None:
     return int(value) if value is not None else None
 
 
-@contextlib.contextmanager
-def _launched(launcher: str, args: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    """The launcher in a process group of its own; on the way out every process in it is continued and killed."""
-    with log.open("w") as sink:
-        proc = subprocess.Popen(harness.train_command(launcher, args), stdout=sink, stderr=subprocess.STDOUT,
-                                env=harness.clean_env(), cwd=harness.ROOT, start_new_session=True)
-        try:
-            yield proc
-        finally:
-            family = []
-            with contextlib.suppress(psutil.Error):
-                family = psutil.Process(proc.pid).children(recursive=True)
-            for p in family:
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGCONT)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            for p in family:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-            proc.wait(timeout=30)
+def _launched(launcher: str, args: list[str], log: Path):
+    """``hvrep train args`` on 2 ranks under ``launcher`` (:func:`harness.launched`)."""
+    return harness.launched(harness.train_command(launcher, args), log)
 
 
 def _ranks_once_training(proc: subprocess.Popen, out: Path, log: Path, steps: int) -> dict[int, psutil.Process]:

@@ -24,9 +24,7 @@ stopped worker, and the other goes on alone and exits 0 (without elasticity ever
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -53,24 +51,13 @@ def _discovery_script(tmp: Path, hosts: Path) -> Path:
     return script
 
 
-@contextlib.contextmanager
-def _launched(cmd: list[str], log: Path):
-    """``cmd`` in a process group of its own; on the way out every process it started is continued and killed."""
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=harness.clean_env(),
-                                cwd=harness.ROOT, start_new_session=True)
-        try:
-            yield proc
-        finally:
-            family = []
-            with contextlib.suppress(psutil.Error):
-                family = psutil.Process(proc.pid).children(recursive=True)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            for p in family:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-            proc.wait(timeout=30)
+def _elastic_command(tmp: Path, program: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+    """``program`` under horovodrun's elastic driver: 2 workers, 1 to 2, on the two local host names."""
+    hosts = tmp / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    return [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo", *extra,
+            sys.executable, *program]
 
 
 def _records(out: Path) -> list[dict]:
@@ -84,65 +71,40 @@ def _records(out: Path) -> list[dict]:
 def _replica_api_launch(tmp: Path) -> dict:
     out = tmp / "out"
     out.mkdir(parents=True)
-    hosts = tmp / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
-           "--blacklist-cooldown-range", "4", "5", sys.executable, str(HERE / "elastic_worker.py"),
-           "--out", str(out), "--hosts", str(hosts)]
+    cmd = _elastic_command(tmp, [str(HERE / "elastic_worker.py"), "--out", str(out), "--hosts", str(tmp / "hosts")],
+                           ("--blacklist-cooldown-range", "4", "5"))
     log = tmp / "job.log"
-    with _launched(cmd, log) as proc:
-        try:
-            proc.wait(timeout=LIMIT_S)
-        except subprocess.TimeoutExpired:
-            return {"error": f"the elastic job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
-    return {"rc": proc.returncode, "log": log.read_text(), "out": out}
+    if (rc := harness.run_logged(cmd, log, LIMIT_S)) is None:
+        return {"error": f"the elastic job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
+    return {"rc": rc, "log": log.read_text(), "out": out}
 
 
 def _fit_launch(tmp: Path) -> dict:
     out = tmp / "out"
     out.mkdir(parents=True)
-    hosts = tmp / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
-           sys.executable, str(HERE / "elastic_fit_worker.py"), "--out", str(out)]
+    cmd = _elastic_command(tmp, [str(HERE / "elastic_fit_worker.py"), "--out", str(out)])
     log = tmp / "job.log"
-    with _launched(cmd, log) as proc:
-        try:
-            proc.wait(timeout=LIMIT_S)
-        except subprocess.TimeoutExpired:
-            return {"error": f"the elastic fit job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
+    if (rc := harness.run_logged(cmd, log, LIMIT_S)) is None:
+        return {"error": f"the elastic fit job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
     records = [json.loads(line) for path in sorted(out.glob("fit.*.jsonl")) for line in path.read_text().splitlines()]
-    return {"rc": proc.returncode, "log": log.read_text(), "records": records}
+    return {"rc": rc, "log": log.read_text(), "records": records}
 
 
 def _stop_launch(tmp: Path) -> dict:
     out = tmp / "out"
     out.mkdir(parents=True)
-    hosts = tmp / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
-           sys.executable, str(HERE / "elastic_fit_worker.py"), "--out", str(out), "--stop-test"]
+    cmd = _elastic_command(tmp, [str(HERE / "elastic_fit_worker.py"), "--out", str(out), "--stop-test"])
     log = tmp / "job.log"
 
     def records() -> list[dict]:
         return [json.loads(line) for path in sorted(out.glob("stop.*.jsonl")) for line in path.read_text().splitlines()
                 if line]
 
-    with _launched(cmd, log) as proc:
-        deadline, victim, stopped_at = time.monotonic() + LIMIT_S, None, None
-        while victim is None and time.monotonic() < deadline and proc.poll() is None:
-            if any(r["event"] == "epoch" for r in records()):  # the first epoch trained on both
-                found = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                         if _rank_of(p, "elastic_fit_worker") == 1]
-                if found:
-                    victim = found[0]
-                    victim.send_signal(signal.SIGSTOP)
-                    stopped_at = time.time()
-                    break
-            time.sleep(0.2)
+    with harness.launched(cmd, log) as proc:
+        deadline = time.monotonic() + LIMIT_S
+        # once the first epoch trained on both
+        victim, stopped_at = _signal_rank_1(proc, lambda: any(r["event"] == "epoch" for r in records()),
+                                            signal.SIGSTOP, deadline, "elastic_fit_worker")
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -153,30 +115,36 @@ def _stop_launch(tmp: Path) -> dict:
 
 
 def _train_launch(tmp: Path, demo_data: Path) -> dict:
-    hosts = tmp / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
     run = tmp / "run"
-    cmd = [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo",
-           sys.executable, "-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
-           f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2", "elastic.commit_every_steps=7",
-           "train.log_every=5", "train.epochs=10", "train.threads=1"]
+    cmd = _elastic_command(tmp, ["-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
+                                 f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2",
+                                 "elastic.commit_every_steps=7", "train.log_every=5", "train.epochs=10",
+                                 "train.threads=1"])
     log = tmp / "job.log"
-    with _launched(cmd, log) as proc:
-        deadline, killed_at = time.monotonic() + LIMIT_S, None
-        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            if sum(e["event"] == "train" for e in _events(run)) >= 9:  # step 45 of 220, in epoch 3
-                ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if _rank_of(p) == 1]
-                if ranks:
-                    ranks[0].send_signal(signal.SIGKILL)
-                    killed_at = time.time()
-                    break
-            time.sleep(0.2)
+    with harness.launched(cmd, log) as proc:
+        deadline = time.monotonic() + LIMIT_S
+        # at step 45 of 220, in epoch 3
+        _, killed_at = _signal_rank_1(proc, lambda: sum(e["event"] == "train" for e in _events(run)) >= 9,
+                                      signal.SIGKILL, deadline)
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return {"error": f"hvrep train was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
     return {"rc": proc.returncode, "log": log.read_text(), "events": _events(run), "killed_at": killed_at}
+
+
+def _signal_rank_1(proc: subprocess.Popen, ready, sig: int, deadline: float,
+                   program: str = "hvrep.cli") -> tuple[psutil.Process | None, float | None]:
+    """Sends ``sig`` to the job's rank-1 worker running ``program`` once ``ready()``; (the worker, when), or
+    (None, None) if the job ended or ``deadline`` (monotonic) passed first."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            found = [p for p in psutil.Process(proc.pid).children(recursive=True) if _rank_of(p, program) == 1]
+            if found:
+                found[0].send_signal(sig)
+                return found[0], time.time()
+        time.sleep(0.2)
+    return None, None
 
 
 def _events(run: Path) -> list[dict]:
