@@ -89,8 +89,9 @@ def jobs(bed_slurm, tmp_path_factory) -> Iterator[dict[str, Job | dict]]:
             bed_slurm.run(["scancel", *ids], check=False)
 
 
-def _completed(cluster: BedSlurm, job: Job) -> dict[str, str]:
-    info = cluster.wait(job.id, JOB_TIMEOUT)
+def _completed(cluster: BedSlurm, job: Job, starts: int = 1) -> dict[str, str]:
+    """Waits for ``job`` (``starts`` runs of hvrep train, one after the other) to complete with exit code 0."""
+    info = cluster.wait(job.id, starts * JOB_TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), cluster.describe(job.id)
     return info
 
@@ -126,7 +127,7 @@ def test_multi_node_all_reduces_two_nodes_over_their_shaped_link(bed_slurm, jobs
 
 def test_scaling_sweep_runs_across_two_nodes_and_hvrep_report_writes_the_report(bed_slurm, jobs):
     job = jobs["sweep"]
-    _completed(bed_slurm, job)
+    _completed(bed_slurm, job, starts=4)  # after the multi_node job: 3 runs and the report
     sweep = job.out
     assert sorted(p.name for p in sweep.iterdir()) == ["nodes-1", "nodes-2", "replicas-1", "report"]
     for name, replicas in (("replicas-1", 1), ("nodes-1", 1), ("nodes-2", 2)):
