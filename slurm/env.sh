@@ -23,12 +23,6 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # win over the configuration recorded in metrics.jsonl. Change them with overrides instead:
 # comm.horovod_fusion_threshold_bytes=67108864. (comm.fusion_threshold_bytes is hvrep's own bucket.)
 
-# PMIx keeps what srun --mpi=pmix hands the ranks (addresses, each rank's transport choice) in a
-# datastore; its shared-memory one is not compatible across PMIx versions (Slurm's PMIx 4, Open MPI 5's
-# own PMIx 5), and a mixed pair has been seen to hand ranks bad values (open-mpi/ompi#12475; on the test
-# cluster, a rare segfault in MPI_Init of a 2-node step). The hash datastore has no such problem.
-export PMIX_MCA_gds=${PMIX_MCA_gds:-hash}
-
 # One OpenMP/oneDNN thread pool per rank sized to the rank's CPUs, not to the whole node (8 ranks
 # each starting a pool of all the node's cores oversubscribe it).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
