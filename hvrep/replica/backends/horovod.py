@@ -119,7 +119,8 @@ def _start_mpi_in_main_thread(hvd: Any) -> None:
     MPI_COMM_WORLD is set up there: that rank crashes in ``mca_pml_ob1_recv_frag_callback_match``
     (open-mpi/ompi#11438, #12495, PR #13559). Seen under ``srun --mpi=pmix`` with Open MPI 5.0.11 and Slurm
     22.05 (docs/slurm-multi-node.md, "MPI_Init crash under srun"; benchmarks/slurm_mpi_init.py): 2-node
-    Horovod starts crashed TRIALS_BASE; started this way, TRIALS_FIX. mpi4py's import calls
+    Horovod starts crashed in 2 of 118 srun steps (1 of 16 in earlier runs); started this way, in 0 of 118
+    (0 of 20): too rare to prove the cure alone, but it is what the cause points at. mpi4py's import calls
     ``MPI_Init_thread(MPI_THREAD_MULTIPLE)``, the level Horovod asks for, and finalizes MPI at exit, after
     Horovod's own shutdown.
 
