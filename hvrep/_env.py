@@ -76,12 +76,6 @@ HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
 # its discovery), Open MPI's TCP transport and its selection, and PRRTE's (Open MPI 5's runtime) out-of-band
 # channel and remote agent (the command it runs instead of ssh to start a daemon on another host).
 HOROVOD_GLOO_IFACE = "HOROVOD_GLOO_IFACE"
-# What tells Horovod to run on Gloo, not MPI: horovodrun --gloo and the elastic driver set both.
-HOROVOD_CONTROLLER = "HOROVOD_CONTROLLER"
-HOROVOD_GLOO_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
-# Set in every process an MPI launcher starts: mpirun (and horovodrun without --gloo, which runs it) sets
-# OMPI_COMM_WORLD_SIZE; srun --mpi=pmix (Open MPI's direct launch) sets PMIX_RANK.
-PMIX_RANK = "PMIX_RANK"
 OMPI_MCA_PML = "OMPI_MCA_pml"
 OMPI_MCA_BTL = "OMPI_MCA_btl"
 OMPI_MCA_BTL_TCP_IF_INCLUDE = "OMPI_MCA_btl_tcp_if_include"
@@ -249,15 +243,6 @@ def set_horovod_knobs(fusion_threshold_bytes: int | None, cycle_time_ms: float |
     if started[OMPI_MCA_MPI_YIELD_WHEN_IDLE] is None and site is not None:
         started[OMPI_MCA_MPI_YIELD_WHEN_IDLE] = site[1]  # what Open MPI reads: the site's file
     return started
-
-
-def mpi_launched() -> bool:
-    """This process was started by an MPI launcher (mpirun, horovodrun without --gloo, srun --mpi=pmix) and
-    nothing told Horovod to use Gloo instead: ``hvd.init()`` will start MPI."""
-    env = os.environ
-    if env.get(HOROVOD_CONTROLLER, "").strip().lower() == "gloo" or HOROVOD_GLOO_RENDEZVOUS_ADDR in env:
-        return False
-    return OMPI_COMM_WORLD_SIZE in env or PMIX_RANK in env
 
 
 def horovod_knobs() -> dict[str, str | None]:

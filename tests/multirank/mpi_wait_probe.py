@@ -35,7 +35,4 @@ if comm.rank == 0:
     print("MPI_WAIT " + json.dumps({
         "mode": mode, "wall_s": t1 - t0, "user_s": after.ru_utime - before.ru_utime,
         "sys_s": after.ru_stime - before.ru_stime,
-        # Whether MPI was started in this (the main) thread, at the level Horovod asks for.
-        "main_thread_started_mpi": bool(MPI.Is_thread_main()),
-        "thread_multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE,
         "OMPI_MCA_mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle")}), flush=True)

@@ -47,10 +47,6 @@ def test_by_default_a_rank_waiting_in_mpi_yields_its_core(tmp_path):
     found, _ = _probe("default", tmp_path)
     assert found["OMPI_MCA_mpi_yield_when_idle"] == "1", found
     assert _share_in_kernel(found) >= 0.3, f"rank 0 busy-polled while it waited: {found}"
-    # hvrep started MPI in the main thread (after setting the variable), at the level Horovod asks for: in
-    # Horovod's background thread a rank could crash in MPI_Init under srun --mpi=pmix
-    # (hvrep.replica.backends.horovod._start_mpi_in_main_thread).
-    assert found["main_thread_started_mpi"] and found["thread_multiple"], found
 
 
 def test_the_users_mpirun_mca_wins_over_the_default(tmp_path):

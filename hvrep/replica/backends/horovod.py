@@ -112,34 +112,6 @@ def _mpi_started(hvd: Any) -> bool:
     return mpi is not None and bool(mpi.Is_initialized())
 
 
-def _start_mpi_in_main_thread(hvd: Any) -> None:
-    """Starts MPI here, in the main thread, before ``hvd.init()``, where Horovod would start it.
-
-    Left to Horovod, ``MPI_Init_thread`` runs in its background thread, which sends its first message (the
-    cid agreement of ``MPI_Comm_dup(MPI_COMM_WORLD)``) right after it returns. Open MPI 5's ob1 can receive a
-    message on MPI_COMM_WORLD while a slower rank still waits in ``MPI_Init``'s last PMIx fence, before
-    MPI_COMM_WORLD is set up there: that rank crashes in ``mca_pml_ob1_recv_frag_callback_match``
-    (open-mpi/ompi#11438, #12495, PR #13559). Seen under ``srun --mpi=pmix`` with Open MPI 5.0.11 and Slurm
-    22.05 (docs/slurm-multi-node.md, "MPI_Init crash under srun"; benchmarks/slurm_mpi_init.py): 2-node
-    Horovod starts crashed in 2 of 118 srun steps (1 of 16 in earlier runs); started this way, in 0 of 118
-    (0 of 20): too rare to prove the cure alone, but it is what the cause points at. mpi4py's import calls
-    ``MPI_Init_thread(MPI_THREAD_MULTIPLE)``, the level Horovod asks for, and finalizes MPI at exit, after
-    Horovod's own shutdown.
-
-    Only where Horovod will use MPI (an MPI launcher's variables, no Gloo controller): under horovodrun
-    --gloo or the elastic driver, importing mpi4py would start a singleton MPI of its own. Not where the
-    user configured mpi4py not to start MPI at import (``mpi4py.rc.initialize = False``), nor without mpi4py.
-    """
-    if not _env.mpi_launched() or not hvd.mpi_built():
-        return
-    try:
-        import mpi4py
-    except ImportError:
-        return
-    if mpi4py.rc.initialize:
-        from mpi4py import MPI  # noqa: F401  (the import starts MPI)
-
-
 def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = False) -> None:
     """``hvd.init()`` with CommConfig's Horovod and MPI settings, or a refusal where they cannot apply.
 
@@ -188,8 +160,6 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
     _yield_asked = config.mpi_yield_when_idle
     _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms,
                                            config.mpi_yield_when_idle, mpi_started)
-    if not mpi_started:  # after the variables above: this start reads them (it is not the user's early start)
-        _start_mpi_in_main_thread(hvd)
     hvd.init()
     got = _env.flag_value(_started_with[_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE])
     if (mpi_started and config.mpi_yield_when_idle and not got and int(hvd.size()) > 1 and int(hvd.rank()) == 0

@@ -10,7 +10,6 @@ Horovod starts alone (srun without an MPI plugin).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +26,6 @@ except hvrep.errors.SetupError as e:
     print("SETUP_ERROR", e, flush=True)
     raise SystemExit(3)
 print("BACKEND", r.backend, r.num_replicas, r.is_chief, flush=True)
-import sys
-mpi = sys.modules.get("mpi4py.MPI")
-print("MPI4PY", mpi is not None and bool(mpi.Is_initialized() and mpi.Is_thread_main()), flush=True)
 """
 
 
@@ -75,19 +71,12 @@ def test_auto_under_a_two_rank_launcher_without_horovod_fails_naming_why(tmp_pat
     assert "started 2 ranks" in text and "simulated: this horovod build is broken" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_auto_under_a_two_rank_launcher_is_horovod_with_one_chief(tmp_path, launcher):
-    out = _launch([*LAUNCHERS[launcher], SCRIPT.format(backend="auto")], _env(tmp_path, break_horovod=False))
+def test_auto_under_a_two_rank_launcher_is_horovod_with_one_chief(tmp_path):
+    out = _launch([*LAUNCHERS["mpirun"], SCRIPT.format(backend="auto")], _env(tmp_path, break_horovod=False))
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    # horovodrun prefixes each rank's line with "[rank]<stdout>:".
-    printed = [re.sub(r"^\[\d+\]<stdout>:", "", line) for line in text.splitlines()]
-    lines = sorted(line for line in printed if line.startswith("BACKEND"))
+    lines = sorted(line for line in text.splitlines() if line.startswith("BACKEND"))
     assert lines == ["BACKEND horovod 2 False", "BACKEND horovod 2 True"], text[-3000:]
-    # Under mpirun, hvrep started MPI in the main thread before hvd.init() (a start in Horovod's background
-    # thread could crash in MPI_Init under srun --mpi=pmix); under horovodrun --gloo it started no MPI at all.
-    started = [line for line in printed if line.startswith("MPI4PY")]
-    assert started == [f"MPI4PY {launcher == 'mpirun'}"] * 2, text[-3000:]
 
 
 def test_horovod_world_smaller_than_the_launchers_is_refused(tmp_path):
