@@ -128,6 +128,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     if chief and Path(cfg.data.data_dir).parent == demo_root:
         write_demo(demo_root)  # once; every rank waits below
     moved = rundir.move_aside(out) if chief and overwrite and rundir.holds_checkpoints(out) else None
+    if chief and elastic:
+        rundir.mark_elastic_job(out)  # so a worker joining later accepts the job's own checkpoints
     repl.reduce(tf.constant(0), "sum")
     skipped = _skipped_files(cfg) if chief and cfg.data.on_error == "skip" else None
 
