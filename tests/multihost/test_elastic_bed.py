@@ -21,7 +21,7 @@ add -> 3 -> drop -> 2:
 Each bed comes down when its launch ends, also when it fails. Root only (namespaces, veths); skipped with the
 reason otherwise.
 
-Open bug, seen here in about half the launches, of every kind: after a kill, a survivor may be waiting in a
+Open bug, seen here in 9 of 15 launches, of every kind: after a kill, a survivor may be waiting in a
 Gloo receive from the dead worker (in the training step's ring all-reduce, or in Horovod's response-cache
 all-reduce, GlooController::CrossRankBitwiseAnd) that the closed connection does not wake: it fails only at
 the Gloo timeout, HOROVOD_GLOO_TIMEOUT_SECONDS, which hvrep raises to 180 s under the elastic driver so that slow
