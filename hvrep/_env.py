@@ -49,6 +49,10 @@ HOROVOD_ELASTIC = "HOROVOD_ELASTIC"
 # tests/multirank/test_elastic.py). hvrep sets ELASTIC_GLOO_TIMEOUT_S unless it is exported.
 HOROVOD_GLOO_TIMEOUT_SECONDS = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 ELASTIC_GLOO_TIMEOUT_S = 180
+# Where horovodrun's (elastic) driver serves the Gloo rendezvous: the same for every worker of one job, joiners
+# included, and a fresh port for each job, so "address:port" tells the workers of one job from another's.
+HOROVOD_GLOO_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+HOROVOD_GLOO_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
 # MPICH / Intel MPI (Hydra) and PMI.
 PMI_RANK = "PMI_RANK"
@@ -198,6 +202,12 @@ def transport_iface() -> str:
 def horovod_elastic() -> bool:
     """This process is a worker of horovodrun's elastic driver (HOROVOD_ELASTIC=1)."""
     return os.environ.get(HOROVOD_ELASTIC, "").strip() == "1"
+
+
+def elastic_job() -> str | None:
+    """This elastic job's identity ("address:port" of its driver's rendezvous), or None outside the driver."""
+    addr, port = os.environ.get(HOROVOD_GLOO_RENDEZVOUS_ADDR), os.environ.get(HOROVOD_GLOO_RENDEZVOUS_PORT)
+    return f"{addr}:{port}" if horovod_elastic() and addr and port else None
 
 
 def set_elastic_gloo_timeout() -> None:

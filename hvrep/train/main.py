@@ -85,6 +85,11 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     from hvrep import _env
 
     elastic = _env.horovod_elastic()
+    # A worker the elastic driver added to the running job: the others are past the start (its barrier, the
+    # resume) and wait for it in the state's sync, so it must skip straight there. Decided before the Replicator:
+    # the chief records the job only after every worker of the first world has joined the rendezvous.
+    joining = elastic and rundir.joins_running_job(cfg.output_dir)
+    resume = resume and not joining  # the job's state comes from rank 0's sync
     if elastic:
         cfg.elastic.check_batch(cfg.train.global_batch)
         if cfg.train.loop == "fit":
@@ -128,7 +133,10 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     if chief and Path(cfg.data.data_dir).parent == demo_root:
         write_demo(demo_root)  # once; every rank waits below
     moved = rundir.move_aside(out) if chief and overwrite and rundir.holds_checkpoints(out) else None
-    repl.reduce(tf.constant(0), "sum")
+    if chief and elastic:
+        rundir.mark_elastic_job(out)  # so a worker joining later accepts the job's own checkpoints
+    if not joining:
+        repl.reduce(tf.constant(0), "sum")
     skipped = _skipped_files(cfg) if chief and cfg.data.on_error == "skip" else None
 
     gb = cfg.train.global_batch

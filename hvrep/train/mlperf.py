@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from hvrep.errors import ConfigError
+from hvrep.train import rundir
 from hvrep.train.config import RunConfig
 from hvrep.train.metrics import Listener
 
@@ -67,6 +68,8 @@ def log_path(cfg: RunConfig, resume: bool, overwrite: bool) -> Path | None:
         while (candidate := path.with_name(f"{path.stem}.{k}{path.suffix}")).exists():
             k += 1
         return candidate
+    if rundir.joins_running_job(cfg.output_dir):
+        return path  # an elastic worker joining the job that writes it (the chief writes the log)
     output_dir = Path(cfg.output_dir).resolve()
     if overwrite and output_dir in path.resolve().parents:
         return path  # --overwrite moves output_dir, and the log with it, aside before the log is written

@@ -5,6 +5,10 @@
 ``<output_dir>.old-<UTC time>`` (nothing is deleted; remove the old folder when it is not needed). Without
 either, a forgotten ``--resume`` after a preemption would start over among the old run's checkpoints (and, by
 ``checkpoint.keep``, in place of them) and mix both runs in ``metrics.jsonl``.
+
+Under horovodrun's elastic driver a worker that joins the running job later finds the job's own checkpoints
+there: the chief records the job (:data:`ELASTIC_JOB_FILE`, its driver's rendezvous address) when it starts,
+and a worker of the same job passes; the job's state then comes from rank 0, not from the folder.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from hvrep.data.config import DataConfig
 from hvrep.errors import ConfigError
 
 _SHARD_PREFIXES = ("train-", "validation-")
+ELASTIC_JOB_FILE = "elastic-job"  # in output_dir: the elastic job training there (see the module docstring)
 _JPEG = (".jpeg", ".jpg")
 
 
@@ -52,10 +57,30 @@ def check_output_dir(output_dir: str | Path, resume: bool, overwrite: bool) -> N
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other. Fix: --resume to continue the run in "
                           f"{output_dir}, or --overwrite to start over (the old run is moved aside).")
-    if not resume and not overwrite and holds_checkpoints(output_dir):
+    if not resume and not overwrite and holds_checkpoints(output_dir) and not joins_running_job(output_dir):
         raise ConfigError(
             f"output_dir={output_dir} holds checkpoints of an earlier run. Fix: --resume to continue it, "
             f"--overwrite to start over (the old run is moved to {output_dir}.old-<time>), or another output_dir.")
+
+
+def joins_running_job(output_dir: str | Path) -> bool:
+    """This process is a worker of the elastic job that :func:`mark_elastic_job` recorded in ``output_dir``: one
+    joining it after it started (its checkpoints are the job's own)."""
+    job = _env.elastic_job()
+    marker = Path(output_dir) / ELASTIC_JOB_FILE
+    return job is not None and marker.is_file() and marker.read_text().strip() == job
+
+
+def mark_elastic_job(output_dir: str | Path) -> None:
+    """Records in ``output_dir`` the elastic job that trains there (the chief, at its start; atomically)."""
+    job = _env.elastic_job()
+    if job is None:
+        return
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{ELASTIC_JOB_FILE}.tmp"
+    tmp.write_text(job + "\n")
+    tmp.replace(out / ELASTIC_JOB_FILE)
 
 
 def move_aside(output_dir: str | Path) -> Path | None:

@@ -2,17 +2,19 @@
 
     horovodrun --gloo -np 2 --min-np 1 --max-np 2 --host-discovery-script S --network-interface lo \
         python tests/multirank/elastic_worker.py --out DIR --hosts HOSTS_FILE
+    # on 3 namespace hosts (tests/multihost/test_elastic_bed.py): -np 3 --min-np 2 --max-np 3 and
+        ... --host-names h1,h2,h3 --global-batch 12
 
 The script S prints HOSTS_FILE. The workers drive the scenario themselves, at fixed points, so the run is
 the same every time:
 
-1. two workers train epoch 0; at its step 7 (the last commit at step 5) rank 0 makes HOSTS_FILE list only the
-   other worker's host, waits for the driver to read it, then SIGKILLs itself: the survivor rolls back 2 steps
-   and goes on alone;
-2. at the survivor's step 4 of the new world it lists both hosts again and commits (every 0.2 s) until the
+1. one worker per host trains epoch 0; at its step 7 (the last commit at step 5) rank 0 makes HOSTS_FILE list
+   the other workers' hosts only, waits for the driver to read it, then SIGKILLs itself: the survivors roll
+   back 2 steps and go on without it;
+2. at the survivors' step 4 of the new world they list every host again and commit (every 0.2 s) until the
    driver's news arrives: the new worker joins at that commit, without a rollback;
-3. 4 steps later rank 0 lists only its own host and commits until the other host is dropped: it leaves
-   without a rollback; the last worker finishes the epochs and exits 0.
+3. 4 steps later rank 0 lists every host but one other worker's (the last in --host-names) and all commit
+   until that host is dropped: its worker leaves without a rollback; the others finish the epochs, exit 0.
 
 Each worker appends to DIR/trained.<host>.<pid>.jsonl one line per step trained (the epoch, the step's place
 in the epoch, the reset count, the world, the sample ids) and one per reset and per first step after a sync (a
@@ -35,9 +37,9 @@ import tensorflow as tf
 
 import hvrep
 from hvrep.data.plan import EpochPlan, EpochPosition, Segment
+from tests.multirank.elastic_hosts import HostsFile
 
-N, GLOBAL_BATCH, EPOCHS, COMMIT_EVERY = 192, 8, 2, 5
-HOSTS = ("localhost", "127.0.0.1")
+N, EPOCHS, COMMIT_EVERY = 192, 2, 5
 
 
 def features(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,13 +56,18 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--hosts", type=Path, required=True)
+    parser.add_argument("--host-names", default="localhost,127.0.0.1", help="every host, comma-separated")
+    parser.add_argument("--global-batch", type=int, default=8, help="divisible by every world size")
     args = parser.parse_args()
+    global_batch = args.global_batch
     me = os.environ["HOROVOD_HOSTNAME"]
     log = (args.out / f"trained.{me}.{os.getpid()}.jsonl").open("a")
 
     def record(**fields) -> None:
         log.write(json.dumps(fields) + "\n")
         log.flush()
+
+    hosts = HostsFile(args.hosts, args.host_names, record)
 
     repl = hvrep.Replicator()  # "auto": horovod under the elastic driver
     record(event="start", backend=repl.backend, rank=repl.rank, size=repl.num_replicas)
@@ -79,19 +86,6 @@ def main() -> int:
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
-    def write_hosts(hosts) -> None:
-        tmp = args.hosts.with_suffix(".tmp")
-        tmp.write_text("".join(f"{h}:1\n" for h in hosts))
-        tmp.replace(args.hosts)
-
-    def commit_until_update(what: str) -> None:
-        record(event="waiting", what=what, at=time.time())
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            state.commit()  # raises HostsUpdatedInterrupt once the driver's news arrives
-            time.sleep(0.2)
-        raise RuntimeError(f"no host update arrived within 90 s after {what}")
-
     @hvrep.elastic.run
     def train(state):
         size, rank = repl.num_replicas, repl.rank
@@ -105,8 +99,8 @@ def main() -> int:
         while state.epoch < EPOCHS:
             plan = EpochPlan([N], seed=100 + state.epoch)
             segments = [Segment.from_json(s) for s in state.segments]
-            position = EpochPosition.resume(segments, size, GLOBAL_BATCH)
-            batch = GLOBAL_BATCH // size
+            position = EpochPosition.resume(segments, size, global_batch)
+            batch = global_batch // size
             share = plan.share(rank, size, batch, position)
             before = sum(s.steps for s in position.done)
             for k in range(share.steps):
@@ -115,23 +109,23 @@ def main() -> int:
                 repl.run(step_fn, args=(tf.constant(x), tf.constant(y)))
                 state.step += 1
                 since_reset += 1
-                state.segments = [s.to_json() for s in position.segments(size, GLOBAL_BATCH, position.steps + k + 1)]
+                state.segments = [s.to_json() for s in position.segments(size, global_batch, position.steps + k + 1)]
                 record(event="step", epoch=state.epoch, k=before + position.steps + k, world=phase,
                        rank=rank, size=size, ids=ids.tolist())
                 if phase == 0 and state.step == 7 and rank == 0:
-                    write_hosts([h for h in HOSTS if h != me])
+                    hosts.write(hosts.others)
                     # The driver reads the script every second: once it no longer lists this host, the blacklist's
                     # cooldown cannot let it straight back in the failure's own reset.
                     time.sleep(2.5)
                     record(event="killing", at=time.time())
                     os.kill(os.getpid(), signal.SIGKILL)
                 if phase == 1 and since_reset == 4:
-                    write_hosts(HOSTS)
-                    commit_until_update("adding a host")
+                    hosts.write(hosts.all)
+                    hosts.commit_until_update(state, "adding a host")
                 if phase == 2 and since_reset == 4 and rank == 0:
-                    write_hosts([me])
+                    hosts.write([h for h in hosts.all if h != hosts.others[-1]])
                 if phase == 2 and since_reset >= 4:
-                    commit_until_update("dropping a host")
+                    hosts.commit_until_update(state, "dropping a host")
                 if state.step % COMMIT_EVERY == 0:
                     state.commit()
             state.epoch += 1

@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,11 +53,11 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float) -> int | None:
-    """Runs ``cmd`` (in ``clean_env()``, from the checkout) in a process group of its own, its output to
-    ``log``; returns its exit code, or None if it ran past ``timeout``. Everything it started is killed either
-    way (:func:`launched`), so no rank outlives the test."""
-    with launched(cmd, log) as proc:
+def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> int | None:
+    """Runs ``cmd`` (in ``env``, default ``clean_env()``, from the checkout) in a process group of its own, its
+    output to ``log``; returns its exit code, or None if it ran past ``timeout``. Everything it started is killed
+    either way (:func:`launched`), so no rank outlives the test."""
+    with launched(cmd, log, env) as proc:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -125,14 +125,14 @@ def train_command(launcher: str, args: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def launched(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    """``cmd`` in a process group of its own, its output in ``log``; on the way out every process it started is
-    continued (a test may have stopped one) and killed."""
+def launched(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """``cmd`` in ``env`` (default ``clean_env()``) in a process group of its own, its output in ``log``; on the
+    way out every process it started is continued (a test may have stopped one) and killed."""
     import psutil
 
     with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=clean_env(), cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=clean_env() if env is None else env,
+                                cwd=ROOT, start_new_session=True)
         try:
             yield proc
         finally:
@@ -174,3 +174,25 @@ def launch(launcher: str, out: Path, modules: list[Path], np: int = NP, timeout:
             elif rec["event"] == "start":
                 result.started[rank] = rec["size"]
     return result
+
+
+def side_by_side(jobs: dict[str, Callable[[], dict]]) -> dict[str, dict]:
+    """Runs each job at the same time (a thread each: most of a launch is waiting on its processes); {name: its
+    result}, or {name: {"error": the traceback}} for a job that raised, for the test reading it to report."""
+    import threading
+    import traceback
+
+    results: dict[str, dict] = {}
+
+    def run(name: str, job: Callable[[], dict]) -> None:
+        try:
+            results[name] = job()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results

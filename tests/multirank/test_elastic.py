@@ -24,18 +24,16 @@ stopped worker, and the other goes on alone and exits 0 (without elasticity ever
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.multirank import harness
+from tests.multirank import elastic_checks, harness
 
 pytestmark = pytest.mark.multirank
 
@@ -44,28 +42,13 @@ HERE = Path(__file__).resolve().parent
 LIMIT_S = 300
 
 
-def _discovery_script(tmp: Path, hosts: Path) -> Path:
-    script = tmp / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
-    return script
-
-
 def _elastic_command(tmp: Path, program: list[str], extra: tuple[str, ...] = ()) -> list[str]:
     """``program`` under horovodrun's elastic driver: 2 workers, 1 to 2, on the two local host names."""
     hosts = tmp / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     return [sys.executable, str(BIN / "horovodrun"), "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-            "--host-discovery-script", str(_discovery_script(tmp, hosts)), "--network-interface", "lo", *extra,
-            sys.executable, *program]
-
-
-def _records(out: Path) -> list[dict]:
-    lines = []
-    for path in sorted(out.glob("trained.*.jsonl")):
-        worker = path.name
-        lines += [{**json.loads(line), "worker": worker} for line in path.read_text().splitlines() if line]
-    return lines
+            "--host-discovery-script", str(elastic_checks.discovery_script(tmp, hosts)), "--network-interface", "lo",
+            *extra, sys.executable, *program]
 
 
 def _replica_api_launch(tmp: Path) -> dict:
@@ -86,7 +69,7 @@ def _fit_launch(tmp: Path) -> dict:
     log = tmp / "job.log"
     if (rc := harness.run_logged(cmd, log, LIMIT_S)) is None:
         return {"error": f"the elastic fit job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
-    records = [json.loads(line) for path in sorted(out.glob("fit.*.jsonl")) for line in path.read_text().splitlines()]
+    records = elastic_checks.jsonl(out.glob("fit.*.jsonl"))
     return {"rc": rc, "log": log.read_text(), "records": records}
 
 
@@ -97,14 +80,13 @@ def _stop_launch(tmp: Path) -> dict:
     log = tmp / "job.log"
 
     def records() -> list[dict]:
-        return [json.loads(line) for path in sorted(out.glob("stop.*.jsonl")) for line in path.read_text().splitlines()
-                if line]
+        return elastic_checks.jsonl(out.glob("stop.*.jsonl"))
 
     with harness.launched(cmd, log) as proc:
         deadline = time.monotonic() + LIMIT_S
         # once the first epoch trained on both
-        victim, stopped_at = _signal_rank_1(proc, lambda: any(r["event"] == "epoch" for r in records()),
-                                            signal.SIGSTOP, deadline, "elastic_fit_worker")
+        victim, stopped_at = elastic_checks.signal_rank_1(
+            proc, lambda: any(r["event"] == "epoch" for r in records()), signal.SIGSTOP, deadline, "elastic_fit_worker")
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -124,65 +106,27 @@ def _train_launch(tmp: Path, demo_data: Path) -> dict:
     with harness.launched(cmd, log) as proc:
         deadline = time.monotonic() + LIMIT_S
         # at step 45 of 220, in epoch 3
-        _, killed_at = _signal_rank_1(proc, lambda: sum(e["event"] == "train" for e in _events(run)) >= 9,
-                                      signal.SIGKILL, deadline)
+        _, killed_at = elastic_checks.signal_rank_1(
+            proc, lambda: sum(e["event"] == "train" for e in elastic_checks.events(run)) >= 9, signal.SIGKILL, deadline)
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return {"error": f"hvrep train was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
-    return {"rc": proc.returncode, "log": log.read_text(), "events": _events(run), "killed_at": killed_at}
-
-
-def _signal_rank_1(proc: subprocess.Popen, ready, sig: int, deadline: float,
-                   program: str = "hvrep.cli") -> tuple[psutil.Process | None, float | None]:
-    """Sends ``sig`` to the job's rank-1 worker running ``program`` once ``ready()``; (the worker, when), or
-    (None, None) if the job ended or ``deadline`` (monotonic) passed first."""
-    while time.monotonic() < deadline and proc.poll() is None:
-        if ready():
-            found = [p for p in psutil.Process(proc.pid).children(recursive=True) if _rank_of(p, program) == 1]
-            if found:
-                found[0].send_signal(sig)
-                return found[0], time.time()
-        time.sleep(0.2)
-    return None, None
-
-
-def _events(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def _rank_of(p: psutil.Process, program: str = "hvrep.cli") -> int | None:
-    """The rank the launcher started ``p`` as (its HOROVOD_RANK; stale after a reset), if it runs ``program``."""
-    try:
-        if program not in " ".join(p.cmdline()):
-            return None
-        value = p.environ().get("HOROVOD_RANK")
-    except psutil.Error:
-        return None
-    return int(value) if value is not None else None
+    return {"rc": proc.returncode, "log": log.read_text(), "events": elastic_checks.events(run), "killed_at": killed_at}
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, dict]:
-    """Both launches, run at the same time (threads)."""
+    """The four launches, run at the same time."""
     from hvrep.data import write_demo
 
     data = tmp_path_factory.mktemp("demo-data")
     write_demo(data)
-    results: dict[str, dict] = {}
-    jobs = [threading.Thread(target=lambda: results.update(api=_replica_api_launch(tmp_path_factory.mktemp("api")))),
-            threading.Thread(target=lambda: results.update(
-                train=_train_launch(tmp_path_factory.mktemp("train"), data / "tfrecord"))),
-            threading.Thread(target=lambda: results.update(fit=_fit_launch(tmp_path_factory.mktemp("fit")))),
-            threading.Thread(target=lambda: results.update(stop=_stop_launch(tmp_path_factory.mktemp("stop"))))]
-    for job in jobs:
-        job.start()
-    for job in jobs:
-        job.join()
-    return results
+    return harness.side_by_side({
+        "api": lambda: _replica_api_launch(tmp_path_factory.mktemp("api")),
+        "train": lambda: _train_launch(tmp_path_factory.mktemp("train"), data / "tfrecord"),
+        "fit": lambda: _fit_launch(tmp_path_factory.mktemp("fit")),
+        "stop": lambda: _stop_launch(tmp_path_factory.mktemp("stop"))})
 
 
 def test_train_goes_on_after_a_kill_at_the_demo_accuracy(launches):
@@ -210,14 +154,7 @@ def test_fit_with_the_callbacks_goes_on_after_a_kill(launches):
     got = launches["fit"]
     assert "error" not in got, got.get("error")
     assert got["rc"] == 0, got["log"][-6000:]
-    (done,) = [r for r in got["records"] if r["event"] == "done"]
-    (reset,) = done["resets"]
-    assert (reset["why"], reset["old_size"], reset["new_size"]) == ("failure", 2, 1), reset
-    assert reset["rolled_back"] == {"batch": 3.0}, reset  # killed after batch 8, committed after batch 5
-    assert done["epoch"] == 4 and done["size"] == 1, done
-    # Epoch 1: 8 batches before the kill, then the 7 after the commit; the others 12 each.
-    assert done["batches"] == {"0": 12, "1": 15, "2": 12, "3": 12}, done["batches"]
-    assert done["accuracy"] >= 0.9, done
+    elastic_checks.check_fit(got["records"], [(2, 1)])
 
 
 def test_a_stopped_worker_is_ended_alone_and_the_other_goes_on(launches):
@@ -238,47 +175,6 @@ def test_a_stopped_worker_is_ended_alone_and_the_other_goes_on(launches):
 def test_replica_api_kill_join_and_drop(launches):
     got = launches["api"]
     assert "error" not in got, got.get("error")
-    out, proc_rc = got["out"], got["rc"]
-    text = got["log"]
-    records = _records(out)
-    assert proc_rc == 0, text[-6000:]
-    assert {r["backend"] for r in records if r["event"] == "start"} == {"horovod"}
-
-    # The kill, and the survivor's first step after it.
-    (kill,) = [r for r in records if r["event"] == "killing"]
-    done = [r for r in records if r["event"] == "done"]
-    assert len(done) == 1, done  # one worker finished: the others were killed or dropped
-    resets = done[0]["resets"]
-    assert [r["why"] for r in resets] == ["failure", "hosts added", "hosts removed"], resets
-    assert [(r["old_size"], r["new_size"]) for r in resets] == [(2, 1), (1, 2), (2, 1)], resets
-    assert resets[0]["rolled_back"] == {"step": 2.0}, resets[0]  # killed at step 7, last commit at step 5
-    assert resets[1]["rolled_back"] == {} and resets[2]["rolled_back"] == {}, resets
-    survivor = done[0]["worker"]
-    synced = [r for r in records if r["event"] == "synced"]
-    back = [r for r in synced if r["worker"] == survivor and r["world"] == 1]
-    assert back and back[0]["step"] == 5, back  # rolled back to the commit
-    assert back[0]["at"] - kill["at"] < 30, f"the survivor went on {back[0]['at'] - kill['at']:.1f} s after the kill"
-
-    # Weights identical on every worker after each sync, per world (the kill's world has one worker).
-    by_world: dict[tuple, set] = {}
-    for r in synced:
-        by_world.setdefault((r["step"], r["size"]), set()).add(r["weights"])
-    assert all(len(w) == 1 for w in by_world.values()), by_world
-
-    # Each epoch's samples, the rolled-back steps replaced by what was trained after the rollback.
-    steps = [r for r in records if r["event"] == "step"]
-    for epoch in sorted({r["epoch"] for r in steps}):
-        latest: dict[int, tuple[int, list[int]]] = {}  # step in the epoch -> (world, ids of its last training)
-        for r in steps:
-            if r["epoch"] != epoch:
-                continue
-            world, ids = latest.get(r["k"], (-1, []))
-            if r["world"] > world:
-                latest[r["k"]] = (r["world"], list(r["ids"]))
-            elif r["world"] == world:
-                latest[r["k"]] = (world, ids + r["ids"])
-        trained = [i for _, ids in latest.values() for i in ids]
-        assert len(trained) == len(set(trained)), f"epoch {epoch}: a sample trained twice since the rollback"
-        assert all(len(ids) == 8 for _, ids in latest.values()), f"epoch {epoch}: a step short of samples"
-        assert sorted(latest) == list(range(len(latest))), f"epoch {epoch}: steps missing"
-        assert len(trained) == 192 // 8 * 8, f"epoch {epoch}: {len(trained)} samples trained"
+    assert got["rc"] == 0, got["log"][-6000:]
+    elastic_checks.check_replica_api(elastic_checks.jsonl(got["out"].glob("trained.*.jsonl")), [(2, 1), (1, 2), (2, 1)],
+                                     global_batch=8)
