@@ -21,13 +21,17 @@ from typing import Any
 
 import tensorflow as tf
 
+from hvrep import _env
 from hvrep.errors import ConfigError
-from hvrep.replica import backends, collectives
+from hvrep.replica import backends, collectives, cores
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
+from hvrep.replica.placement import resolve_placement
 
 # Replicator(batch_norm=...): how Keras' BatchNormalization layers train in a step run() traces.
 BATCH_NORMS = ("fused", "keras")
+# Replicator(cpu_budget=...): whether several ranks on a node size and bind their CPU threads by default.
+CPU_BUDGETS = ("auto", "off")
 
 # The Replicator created last in this process: what a Keras optimizer restored from its config binds to.
 _latest: weakref.ref | None = None
@@ -58,25 +62,56 @@ class Replicator:
         a Keras outside the releases it was verified on
         (``hvrep.compat.keras_versions``) "fused" keeps Keras' ops, with one
         warning.
+      cpu_budget: "auto" (default): where several ranks of a horovod job share a node, each sizes TensorFlow's
+        two op pools to its share of the node's cores (the cores a launcher, Slurm or a cgroup bound it to;
+        else the node's cores divided by its ranks on the node) and, where no launcher bound it, binds its
+        threads to a block of cores of its own (local rank k: the k-th block), as ``hvrep train`` does
+        (docs/performance.md, "CPU budget per rank"). Without it two ranks under ``horovodrun --gloo`` each
+        sized their pools for every core and ran slower together than one rank alone. Pools the application
+        sized first (``tf.config.threading``, ``TF_NUM_INTRAOP_THREADS`` / ``TF_NUM_INTEROP_THREADS``) win and
+        nothing is bound; a TensorFlow runtime that started before the Replicator keeps its pools, with a
+        warning. Under horovodrun's elastic driver nothing is bound (local ranks change at each reset).
+        One process (in-graph backends, or one rank on its node) keeps TensorFlow's defaults. "off": keep
+        TensorFlow's defaults and the process's affinity.
 
     Several Replicators may exist in one process (e.g. with different
     configs); the collectives act on the one whose ``run`` is executing.
+
+    Attributes:
+      cpu_budget: the CPU budget ``cpu_budget="auto"`` applied (``hvrep.replica.cores.Budget``: threads per
+        pool, whether bound, why), or None where it left TensorFlow's defaults (one process on its node, or
+        "off").
+      cpu_binding: the cores this process's threads were bound to (``hvrep.replica.cores.Binding``), or None.
 
     Raises:
       hvrep.errors.ConfigError: unknown backend or batch_norm, or a config of the wrong type.
     """
 
     def __init__(self, backend: str = "auto", *, config: CommConfig | None = None,
-                 batch_norm: str = "fused") -> None:
+                 batch_norm: str = "fused", cpu_budget: str = "auto") -> None:
         if config is not None and not isinstance(config, CommConfig):
             raise ConfigError(f"config must be an hvrep.CommConfig, got {type(config).__name__}.")
         if batch_norm not in BATCH_NORMS:
             raise ConfigError(f"batch_norm must be one of {BATCH_NORMS}, got {batch_norm!r}. Fix: \"fused\" "
                               "(TensorFlow's fused kernel, the default) or \"keras\" (Keras' own ops).")
+        if cpu_budget not in CPU_BUDGETS:
+            raise ConfigError(f"cpu_budget must be one of {CPU_BUDGETS}, got {cpu_budget!r}. Fix: \"auto\" (each "
+                              "rank's share of its node's cores, the default) or \"off\" (TensorFlow's defaults).")
         self.config = config or CommConfig()
         self.batch_norm = batch_norm
+        self.cpu_budget: cores.Budget | None = None
+        self.cpu_binding: cores.Binding | None = None
+        if cpu_budget == "auto" and backend in ("auto", "horovod"):
+            # Before the backend starts Horovod (and its background thread) and before any op: the pools are
+            # fixed once TensorFlow's runtime runs. The launcher's variables say where this rank sits.
+            placement = resolve_placement()
+            if placement.local_size > 1:
+                self.cpu_budget = cores.size_pools(placement.local_size, bind=not _env.horovod_elastic())
         self._backend = backends.create(backend, self.config)
         self._backend.batch_norm = batch_norm
+        if self.cpu_budget is not None and self.cpu_budget.bind and self._backend.name == "horovod":
+            self.cpu_binding = cores.bind_cores(self._backend.local_rank, self._backend.local_size,
+                                                self.cpu_budget.threads)
         global _latest
         _latest = weakref.ref(self)
 

@@ -111,7 +111,7 @@ class TrainConfig:
         within this many steps. With ``loop="fit"``: Keras' ``steps_per_execution``.
       threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
         pool get this many. None (default): the rank's share, from the cores it may use
-        (``hvrep/train/cores.py``, ``default_budget``): the cores a launcher or Slurm bound it to, else the
+        (``hvrep/replica/cores.py``, ``default_budget``): the cores a launcher or Slurm bound it to, else the
         node's cores divided by its ranks on the node; one rank alone keeps TensorFlow's own pools.
       bind_cores: bind each rank's threads to ``threads`` cores of its own (local rank k: the k-th block of the
         node's cores), as ``mpirun --bind-to core`` does and ``horovodrun --gloo`` does not. None (default):

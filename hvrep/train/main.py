@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from hvrep.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HvrepError
+from hvrep.replica import cores
 from hvrep.train import config as configs
-from hvrep.train import cores, mlperf, rundir
+from hvrep.train import mlperf, rundir
 
 # Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (docs/troubleshooting.md, "Exit codes"). A run stopped by
 # SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and
@@ -124,7 +125,7 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     _limit_threads(cfg.train.threads)
     if cfg.train.precision != "fp32":
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
-    repl = hvrep.Replicator("auto", config=cfg.comm)
+    repl = hvrep.Replicator("auto", config=cfg.comm, cpu_budget="off")  # applied above, from the settings
     chief, n = repl.is_chief, repl.num_replicas
     binding = (cores.bind_cores(repl.local_rank, repl.local_size, cfg.train.threads) if cfg.train.bind_cores
                else cores.Binding(cores.current_cores(), bound_here=False))

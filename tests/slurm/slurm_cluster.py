@@ -222,6 +222,14 @@ class LocalSlurm:
             self.stop()
             raise
 
+    def __enter__(self) -> LocalSlurm:
+        """Starts the cluster (:meth:`start`); leaving the block stops it, also after an error."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         state = ""

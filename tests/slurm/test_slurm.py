@@ -39,11 +39,8 @@ def slurm(tmp_path_factory) -> Iterator[LocalSlurm]:
     except SlurmUnavailable as e:
         pytest.skip(f"no Slurm to test the sbatch scripts with: {e}")
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    cluster.start()
-    try:
+    with cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="session")

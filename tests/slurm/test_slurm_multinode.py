@@ -49,11 +49,8 @@ def bed_slurm(tmp_path_factory) -> Iterator[BedSlurm]:
     if reason is not None:
         pytest.skip(f"no namespace hosts for a multi-node Slurm: {reason}")
     cluster = BedSlurm(tmp_path_factory.mktemp("bed-slurm"), hosts=8, link_gbit=1.0, partitions=PARTITIONS)
-    cluster.start()
-    try:
+    with cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

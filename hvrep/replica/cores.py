@@ -1,5 +1,7 @@
 """Each rank's CPU budget: how many threads its pools get (``train.threads``) and which cores they run on
-(``train.bind_cores``), chosen by default from the cores the rank may use (:func:`default_budget`).
+(``train.bind_cores``), chosen by default from the cores the rank may use (:func:`default_budget`). ``hvrep
+train`` applies it from its settings; a ``Replicator`` of several ranks on a node applies the default itself
+(:func:`size_pools`, then :func:`bind_cores`) unless the application sized TensorFlow's pools first.
 
 Without a budget every rank of a node sized TensorFlow's pools and tf.data's for all the node's cores, and
 the kernel moved their threads between cores: the 2-rank demo under ``horovodrun --gloo`` ran 1,149-1,218
@@ -20,10 +22,17 @@ launcher's ``--bind-to``, Slurm's ``--cpu-bind`` or a cgroup) keeps its binding.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from hvrep.errors import ConfigError
+
+_log = logging.getLogger("hvrep")
+# TensorFlow's own variables for its pools' sizes (read when its runtime starts).
+POOL_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+# The budget size_pools applied in this process (a later Replicator finds the pools sized by an earlier one).
+_applied: Budget | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,44 @@ def default_budget(threads: int | None, bind: bool | None, local_size: int,
     if bind is None:
         bind = threads is not None and not bound_by_launcher and local_size > 1 and local_size * threads <= online
     return Budget(threads, bind, why + (", bound here" if bind else ""))
+
+
+def size_pools(local_size: int, *, bind: bool = True) -> Budget:
+    """The default budget of one of ``local_size`` ranks on a node, with TensorFlow's two op pools sized to it
+    now (``bind``: whether binding may be chosen; the caller binds with :func:`bind_cores` once it knows its
+    local rank). What the application set wins: pools it sized already (``tf.config.threading`` or
+    TensorFlow's ``TF_NUM_INTRAOP_THREADS`` / ``TF_NUM_INTEROP_THREADS``) are kept and nothing is bound. So is
+    a runtime already running (its pools are fixed then), with a warning saying how to get the budget.
+    """
+    import tensorflow as tf
+
+    global _applied
+    set_by_app = [f"{v}={os.environ[v]}" for v in POOL_VARIABLES if os.environ.get(v)]
+    intra, inter = (tf.config.threading.get_intra_op_parallelism_threads(),
+                    tf.config.threading.get_inter_op_parallelism_threads())
+    if _applied is not None and (intra, inter) == (_applied.threads, _applied.threads):
+        return _applied
+    if intra or inter:
+        set_by_app.append(f"tf.config.threading: intra-op {intra}, inter-op {inter}")
+    if set_by_app:
+        return Budget(intra or None, False, "set by the application (" + "; ".join(set_by_app) + ")")
+    budget = default_budget(None, None if bind else False, local_size)
+    if budget.threads is None:
+        return budget
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(budget.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(budget.threads)
+    except RuntimeError:  # TensorFlow's runtime started before the Replicator: its pools are fixed
+        _log.warning(
+            "hvrep: TensorFlow's runtime was already running when the Replicator was created, so this rank keeps "
+            "TensorFlow's thread pools (sized for all %d cores, shared by %d ranks on this node) instead of %s. "
+            "Fix: create the Replicator before running any TensorFlow op, or set the pools yourself "
+            "(tf.config.threading, or TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS), or "
+            "Replicator(cpu_budget=\"off\") to keep TensorFlow's defaults without this warning.",
+            os.cpu_count() or 0, local_size, budget.why)
+        return Budget(None, False, "TensorFlow's own pools: its runtime was running before the Replicator")
+    _applied = budget
+    return budget
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ import sys
 import pytest
 
 from hvrep.errors import ConfigError
+from hvrep.replica.cores import bind_cores, default_budget
 from hvrep.train import config as configs
-from hvrep.train.cores import bind_cores, default_budget
 
 CHILD = r"""
 import json, os, sys, threading
-from hvrep.train.cores import bind_cores, default_budget
+from hvrep.replica.cores import bind_cores, default_budget
 pre = os.environ.get("PRE_BIND")
 if pre is not None:
     os.sched_setaffinity(0, {int(pre)})
@@ -89,3 +89,12 @@ def test_the_defaults_give_each_rank_its_share_of_the_node_and_bind_it_where_no_
     # this machine, as hvrep train sees it
     budget = default_budget(None, None, local_size=len(ALLOWED))
     assert budget.threads == 1 and budget.bind and "ranks on this node" in budget.why
+
+
+def test_a_replicator_of_one_process_keeps_tensorflows_pools_and_a_typo_names_the_choices():
+    import hvrep
+
+    repl = hvrep.Replicator("local")
+    assert repl.cpu_budget is None and repl.cpu_binding is None
+    with pytest.raises(ConfigError, match=r"cpu_budget must be one of \('auto', 'off'\), got 'of'"):
+        hvrep.Replicator("local", cpu_budget="of")
