@@ -22,9 +22,10 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.errors import ConfigError
-from hvrep.replica import backends, collectives
+from hvrep.replica import backends, collectives, context
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
+from hvrep.replica.devices import check_devices_per_replica
 
 # Replicator(batch_norm=...): how Keras' BatchNormalization layers train in a step run() traces.
 BATCH_NORMS = ("fused", "keras")
@@ -58,16 +59,25 @@ class Replicator:
         a Keras outside the releases it was verified on
         (``hvrep.compat.keras_versions``) "fused" keeps Keras' ops, with one
         warning.
+      devices_per_replica: devices each replica owns (default 1). With k > 1 a
+        replica's model is split across k devices: a horovod rank with local
+        rank r owns the node's GPUs r*k ... r*k+k-1 (without GPUs, its
+        process's first k logical CPU devices); the local backend splits this
+        machine's devices into num_devices // k replicas. The step places each
+        part with ``tf.device(hvrep.replica_devices()[j])``; see
+        docs/model-parallel.md.
 
     Several Replicators may exist in one process (e.g. with different
     configs); the collectives act on the one whose ``run`` is executing.
 
     Raises:
-      hvrep.errors.ConfigError: unknown backend or batch_norm, or a config of the wrong type.
+      hvrep.errors.ConfigError: unknown backend or batch_norm, or a config of the wrong type;
+        a devices_per_replica that does not divide the local backend's devices, or that a rank
+        lacks (or, on the tpu backend, any but 1).
     """
 
     def __init__(self, backend: str = "auto", *, config: CommConfig | None = None,
-                 batch_norm: str = "fused") -> None:
+                 batch_norm: str = "fused", devices_per_replica: int = 1) -> None:
         if config is not None and not isinstance(config, CommConfig):
             raise ConfigError(f"config must be an hvrep.CommConfig, got {type(config).__name__}.")
         if batch_norm not in BATCH_NORMS:
@@ -75,7 +85,8 @@ class Replicator:
                               "(TensorFlow's fused kernel, the default) or \"keras\" (Keras' own ops).")
         self.config = config or CommConfig()
         self.batch_norm = batch_norm
-        self._backend = backends.create(backend, self.config)
+        self.devices_per_replica = check_devices_per_replica(devices_per_replica)
+        self._backend = backends.create(backend, self.config, self.devices_per_replica)
         self._backend.batch_norm = batch_norm
         global _latest
         _latest = weakref.ref(self)
@@ -133,8 +144,13 @@ class Replicator:
         self._backend.close()
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
-        """Variables created inside start identical on every replica (broadcast from the chief)."""
-        return self._backend.scope()
+        """Variables created inside start identical on every replica (broadcast from the chief).
+
+        ``hvrep.replica_devices()`` inside names this process's first replica's devices: on horovod a variable
+        created under ``tf.device`` of one of them lives there; in-graph backends mirror every variable on each
+        replica's first device.
+        """
+        return context.scoped(self._backend, self._backend.scope())
 
     def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
                            global_batch_size: int | None = None) -> Any:
