@@ -6,7 +6,7 @@
 Writes DIR/rank<R>.json: the largest difference between every replica's trained weights (and the step losses)
 and one device trained on the whole batch, each replica's devices (from ``hvrep.replica_devices()`` inside the
 step and from ``InputContext.devices``), the devices the variables live on, and, from TensorFlow's run metadata
-of one step, the op types each device's partition graph executed.
+of one step, the op types each device's partition graph executed; and how ``devices_per_replica=3`` was refused.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def main() -> None:
     import tensorflow as tf
     from tensorflow.python.eager import context as tf_context
 
+    # Three devices per replica: a rank's process has 2 (refused), the local backend's 4 do not divide by 3.
+    try:
+        hvrep.Replicator(devices_per_replica=3)
+        refusal = None
+    except hvrep.errors.HvrepError as e:
+        refusal = {"type": type(e).__name__, "message": str(e)}
     repl = hvrep.Replicator(devices_per_replica=2)
     with repl.scope():
         stages = ex.build_stages(hvrep.replica_devices(), seed=repl.rank)  # ranks differ: scope() broadcasts
@@ -119,6 +125,7 @@ def main() -> None:
         "replica_devices": sorted(map(list, {tuple(d) for d in seen_devices})),
         "input_devices": sorted(input_devices),
         "variable_devices": variable_devices,
+        "refusal": refusal,
         "executed": {d: sorted(ops) for d, ops in executed.items()},
     }
     (args.out / f"rank{repl.rank}.json").write_text(json.dumps(record, indent=1))

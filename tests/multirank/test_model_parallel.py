@@ -98,3 +98,18 @@ def test_variables_created_under_a_device_live_there_on_horovod_and_on_each_repl
     # MirroredStrategy mirrors every variable on its replicas' first devices, whatever tf.device said.
     assert results["local"]["ranks"][0]["variable_devices"] == {"stage1": ["CPU:0", "CPU:2"],
                                                                  "stage2": ["CPU:0", "CPU:2"]}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_three_devices_per_replica_are_refused_naming_the_devices_and_the_fix(results, run):
+    result = results[run]
+    _ok(result, 1 if run == "local" else 2)
+    for rec in result["ranks"].values():
+        refusal = rec["refusal"]
+        assert refusal is not None and refusal["type"] == "ConfigError", refusal
+        if run == "local":
+            assert "devices_per_replica=3 does not divide this machine's 4 logical CPU devices" in refusal["message"]
+        else:  # on each rank, under the launcher: its process has 2 logical CPU devices
+            assert ("devices_per_replica=3, but this rank's process has 2 logical CPU device(s)"
+                    in refusal["message"]), refusal
+            assert "set_logical_device_configuration" in refusal["message"], refusal
