@@ -128,25 +128,32 @@ def group_devices(devices: Sequence[str], k: int) -> list[tuple[str, ...]]:
 
 
 def rank_cuda_devices(local_rank: int, k: int, num_cuda_devices: int, local_size: int) -> list[int]:
-    """The CUDA devices of a one-process-per-replica rank owning ``k`` GPUs: ``local_rank*k ... local_rank*k+k-1``.
+    """The CUDA devices of a one-process-per-replica rank owning ``k`` GPUs.
 
-    With ``k == 1`` a rank wraps when ranks outnumber GPUs (:func:`gpu_for`), as before; with ``k > 1`` two ranks
-    sharing a GPU would split a model across devices that are not its own, so that is refused. Empty without GPUs.
+    ``local_rank*k ... local_rank*k+k-1`` when the node's GPUs are all visible
+    (the Slurm scripts' layout, so NCCL sees its peers); all of them when the
+    process sees exactly ``k`` (the launcher gave each rank its own:
+    ``srun --gpus-per-task=k``, or ``CUDA_VISIBLE_DEVICES`` set per rank). With
+    ``k == 1`` a rank wraps when ranks outnumber GPUs (:func:`gpu_for`); with
+    ``k > 1`` two ranks would split their models over the same GPUs, so a
+    rank short of its ``k`` is refused. Empty without GPUs.
 
     Raises:
-      hvrep.errors.ConfigError: ``k > 1`` and the node has fewer than ``(local_rank + 1) * k`` GPUs.
+      hvrep.errors.ConfigError: ``k > 1`` and the rank's GPUs do not exist.
     """
     if not num_cuda_devices:
         return []
     if k == 1:
         return [gpu_for(local_rank, num_cuda_devices)]  # type: ignore[list-item]
-    if (local_rank + 1) * k > num_cuda_devices:
-        raise ConfigError(
-            f"devices_per_replica={k}: local rank {local_rank} owns GPUs {local_rank * k}..{local_rank * k + k - 1}, "
-            f"but this process sees {num_cuda_devices} GPU(s), so it has fewer than {k}. Fix: start at most "
-            f"{num_cuda_devices // k} rank(s) per node (here: {local_size}), or lower devices_per_replica, or make "
-            f"{local_size * k} GPUs visible to every rank (CUDA_VISIBLE_DEVICES).")
-    return list(range(local_rank * k, local_rank * k + k))
+    if (local_rank + 1) * k <= num_cuda_devices:
+        return list(range(local_rank * k, local_rank * k + k))
+    if num_cuda_devices == k:
+        return list(range(k))
+    raise ConfigError(
+        f"devices_per_replica={k}: local rank {local_rank} owns GPUs {local_rank * k}..{local_rank * k + k - 1}, "
+        f"but this process sees {num_cuda_devices} GPU(s), so it has fewer than {k}. Fix: start at most "
+        f"{num_cuda_devices // k} rank(s) per node (here: {local_size}), or lower devices_per_replica, or make "
+        f"{local_size * k} GPUs visible to every rank (or exactly {k} to each: srun --gpus-per-task={k}).")
 
 
 def rank_cpu_devices(k: int, logical_cpus: Sequence[str]) -> tuple[str, ...]:

@@ -47,6 +47,8 @@ def test_a_rank_of_k_gpus_owns_local_rank_times_k_onward_and_a_rank_short_of_k_i
     assert rank_cuda_devices(1, 4, 8, 2) == [4, 5, 6, 7]
     assert rank_cuda_devices(9, 1, 8, 10) == [1]  # one device per replica wraps, as gpu_for does
     assert rank_cuda_devices(1, 2, 0, 2) == []  # no GPU
+    # srun --gpus-per-task=2 (or CUDA_VISIBLE_DEVICES per rank): each rank sees its own two, numbered 0 and 1.
+    assert rank_cuda_devices(3, 2, 2, 4) == [0, 1]
     # 3 ranks x 2 GPUs on a 4-GPU node: local rank 2 would own GPUs 4 and 5, which do not exist.
     with pytest.raises(ConfigError, match=r"devices_per_replica=2: local rank 2 owns GPUs 4\.\.5, but this "
                                           r"process sees 4 GPU\(s\).*at most 2 rank\(s\) per node"):
