@@ -23,9 +23,10 @@ import tensorflow as tf
 
 from hvrep import _env
 from hvrep.errors import ConfigError
-from hvrep.replica import backends, collectives, cores
+from hvrep.replica import backends, collectives, context, cores
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
+from hvrep.replica.devices import check_devices_per_replica
 from hvrep.replica.placement import resolve_placement
 
 # Replicator(batch_norm=...): how Keras' BatchNormalization layers train in a step run() traces.
@@ -73,6 +74,13 @@ class Replicator:
         warning. Under horovodrun's elastic driver nothing is bound (local ranks change at each reset).
         One process (in-graph backends, or one rank on its node) keeps TensorFlow's defaults. "off": keep
         TensorFlow's defaults and the process's affinity.
+      devices_per_replica: devices each replica owns (default 1). With k > 1 a
+        replica's model is split across k devices: a horovod rank with local
+        rank r owns the node's GPUs r*k ... r*k+k-1 (without GPUs, its
+        process's first k logical CPU devices); the local backend splits this
+        machine's devices into num_devices // k replicas. The step places each
+        part with ``tf.device(hvrep.replica_devices()[j])``; see
+        docs/model-parallel.md.
 
     Several Replicators may exist in one process (e.g. with different
     configs); the collectives act on the one whose ``run`` is executing.
@@ -84,11 +92,13 @@ class Replicator:
       cpu_binding: the cores this process's threads were bound to (``hvrep.replica.cores.Binding``), or None.
 
     Raises:
-      hvrep.errors.ConfigError: unknown backend or batch_norm, or a config of the wrong type.
+      hvrep.errors.ConfigError: unknown backend or batch_norm, or a config of the wrong type;
+        a devices_per_replica that does not divide the local backend's devices, or that a rank
+        lacks (or, on the tpu backend, any but 1).
     """
 
     def __init__(self, backend: str = "auto", *, config: CommConfig | None = None,
-                 batch_norm: str = "fused", cpu_budget: str = "auto") -> None:
+                 batch_norm: str = "fused", cpu_budget: str = "auto", devices_per_replica: int = 1) -> None:
         if config is not None and not isinstance(config, CommConfig):
             raise ConfigError(f"config must be an hvrep.CommConfig, got {type(config).__name__}.")
         if batch_norm not in BATCH_NORMS:
@@ -97,6 +107,7 @@ class Replicator:
         if cpu_budget not in CPU_BUDGETS:
             raise ConfigError(f"cpu_budget must be one of {CPU_BUDGETS}, got {cpu_budget!r}. Fix: \"auto\" (each "
                               "rank's share of its node's cores, the default) or \"off\" (TensorFlow's defaults).")
+        self.devices_per_replica = check_devices_per_replica(devices_per_replica)
         self.config = config or CommConfig()
         self.batch_norm = batch_norm
         self.cpu_budget: cores.Budget | None = None
@@ -107,7 +118,7 @@ class Replicator:
             placement = resolve_placement()
             if placement.local_size > 1:
                 self.cpu_budget = cores.size_pools(placement.local_size, bind=not _env.horovod_elastic())
-        self._backend = backends.create(backend, self.config)
+        self._backend = backends.create(backend, self.config, self.devices_per_replica)
         self._backend.batch_norm = batch_norm
         if self.cpu_budget is not None and self.cpu_budget.bind and self._backend.name == "horovod":
             self.cpu_binding = cores.bind_cores(self._backend.local_rank, self._backend.local_size,
@@ -168,8 +179,13 @@ class Replicator:
         self._backend.close()
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
-        """Variables created inside start identical on every replica (broadcast from the chief)."""
-        return self._backend.scope()
+        """Variables created inside start identical on every replica (broadcast from the chief).
+
+        ``hvrep.replica_devices()`` inside names this process's first replica's devices: on horovod a variable
+        created under ``tf.device`` of one of them lives there; in-graph backends mirror every variable on each
+        replica's first device.
+        """
+        return context.scoped(self._backend, self._backend.scope())
 
     def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
                            global_batch_size: int | None = None) -> Any:

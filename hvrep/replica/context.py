@@ -41,6 +41,41 @@ def activated(backend: Any) -> Iterator[None]:
         _ACTIVE.pop()
 
 
+# The backends whose ``scope()`` is open (innermost last): where ``replica_devices`` looks outside ``run``.
+_SCOPED: list[Any] = []
+
+
+@contextlib.contextmanager
+def scoped(backend: Any, inner: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    """``inner`` (the backend's own scope), with ``backend`` recorded as the one whose scope is open."""
+    with inner:
+        _SCOPED.append(backend)
+        try:
+            yield
+        finally:
+            _SCOPED.pop()
+
+
+def replica_devices() -> tuple[str, ...]:
+    """The devices of the replica running this code: ``devices_per_replica`` names for ``tf.device``.
+
+    Inside ``Replicator.run``: this replica's. Inside ``Replicator.scope()``: this process's first replica's
+    (on the horovod backend its only one; in-graph strategies mirror every variable on each replica's first
+    device whatever ``tf.device`` asks). Names as ``tf.config.list_logical_devices`` gives them
+    ("/device:GPU:0", "/device:CPU:1"); a horovod rank's GPUs are renumbered from 0 in its process.
+
+    Raises:
+      hvrep.errors.CollectiveError: outside ``run`` and ``scope()``.
+    """
+    backend = active_backend() or (_SCOPED[-1] if _SCOPED else None)
+    if backend is None:
+        raise CollectiveError(
+            "hvrep.replica_devices() names the devices of the replica running the code: call it inside "
+            "`with repl.scope():` (to build each part of the model on its device) or inside the step you pass to "
+            "`repl.run`. Fix: move the call there, or read `ctx.devices` in your input_fn.")
+    return backend.replica_devices()
+
+
 def live_backend() -> Any:
     """The backend of the Replicator whose ``run`` is executing.
 
@@ -70,8 +105,11 @@ class InputContext:
         takes. A Horovod rank's is ``local_rank % visible GPUs``. None without
         a GPU, or in a context no Replicator made.
       tf_device: the same GPU as TensorFlow names it: "/gpu:0" for a Horovod
-        rank (``bind_gpu`` leaves it one GPU), "/gpu:i" for in-graph replica i;
-        None without a GPU.
+        rank (``bind_gpu`` leaves it its own GPUs only), "/gpu:i*k" for in-graph
+        replica i with k devices per replica; None without a GPU.
+      devices: every device this replica owns (``Replicator(devices_per_replica=k)``: k
+        of them), as ``hvrep.replica_devices()`` names them inside the step; the first
+        is where a pipeline's input belongs. Empty in a context no Replicator made.
 
     The device fields are keyword-only. Only their index rules were tested (no
     GPU was available; see ``hvrep.replica.devices``).
@@ -83,8 +121,13 @@ class InputContext:
     _: KW_ONLY
     cuda_device: int | None = None
     tf_device: str | None = None
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.devices, str) or not all(isinstance(d, str) for d in self.devices):
+            raise ConfigError(f"devices must be a sequence of device names, got {self.devices!r}. Fix: e.g. "
+                              "(\"/device:GPU:0\", \"/device:GPU:1\").")
+        object.__setattr__(self, "devices", tuple(self.devices))
         if (self.cuda_device is None) != (self.tf_device is None):
             raise ConfigError(f"cuda_device={self.cuda_device!r} and tf_device={self.tf_device!r} name one GPU. "
                               "Fix: give both, or neither for no GPU.")

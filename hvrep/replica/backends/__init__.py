@@ -33,10 +33,10 @@ def _class(name: str) -> type[Backend]:
     return LocalBackend
 
 
-def create(name: str, config: CommConfig) -> Backend:
+def create(name: str, config: CommConfig, devices_per_replica: int = 1) -> Backend:
     """Creates the backend ``name``; "auto" is horovod when a launcher started more than one rank or horovodrun's
     elastic driver started this process (even as a world of one: others may join), else tpu when a TPU is
-    attached, else local.
+    attached, else local. Each replica owns ``devices_per_replica`` devices.
 
     Raises:
       hvrep.errors.SetupError: "auto" under a multi-rank launcher, and Horovod cannot start. Falling back to
@@ -48,7 +48,7 @@ def create(name: str, config: CommConfig) -> Backend:
         placement = resolve_placement()
         if placement.size > 1 or _env.horovod_elastic():
             try:
-                backend = _class("horovod")(config)
+                backend = _class("horovod")(config, devices_per_replica)
             except SetupError as e:
                 raise SetupError(
                     f"backend='auto': the launcher ({placement.launcher}) started {placement.size} ranks, so "
@@ -58,7 +58,7 @@ def create(name: str, config: CommConfig) -> Backend:
             return backend
         name = next(n for n in BACKENDS[1:] if _class(n).available())
         _log.info("hvrep: backend 'auto' chose %r", name)
-    return _class(name)(config)
+    return _class(name)(config, devices_per_replica)
 
 
 __all__ = ["BACKENDS", "Backend", "InputContext", "create"]

@@ -228,13 +228,15 @@ class InGraphBackend(Backend):
     """Replicas are devices of one process, driven by a tf.distribute strategy.
 
     Args:
-      gpus: replica i's GPU (``hvrep.replica.devices.replica_gpus``), one per
-        replica; empty when the replicas are not GPUs.
+      gpus: replica i's (first) GPU (``hvrep.replica.devices.replica_gpus``), one
+        per replica; empty when the replicas are not GPUs.
+      devices: replica i's devices, one tuple per replica; empty: each replica
+        owns the one device the strategy runs it on.
     """
 
     def __init__(self, config: CommConfig, strategy: tf.distribute.Strategy, marks: _Marks,
-                 gpus: Sequence[ReplicaGpu] = ()) -> None:
-        super().__init__(config)
+                 gpus: Sequence[ReplicaGpu] = (), devices: Sequence[tuple[str, ...]] = ()) -> None:
+        super().__init__(config, len(devices[0]) if devices else 1)
         self.strategy = strategy
         self._marks = marks
         self._functions = FunctionCache()
@@ -242,6 +244,18 @@ class InGraphBackend(Backend):
         if len(self._gpus) != self.num_replicas:
             raise SetupError(f"{len(self._gpus)} GPUs were given for {self.num_replicas} in-graph replicas; "
                              "each replica needs one.")
+        self._devices = [tuple(d) for d in devices] or [(d,) for d in strategy.extended.worker_devices]
+        if len(self._devices) != self.num_replicas:
+            raise SetupError(f"{len(self._devices)} device groups were given for {self.num_replicas} in-graph "
+                             "replicas; each replica needs one.")
+
+    def replica_devices(self) -> tuple[str, ...]:
+        # Each replica's function runs in a replica context of its own, holding its id as a constant.
+        ctx = tf.distribute.get_replica_context()
+        replica = None
+        if ctx is not None and ctx.strategy is self.strategy:
+            replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+        return self._devices[int(replica) if replica is not None else 0]
 
     @property
     def num_replicas(self) -> int:
@@ -275,8 +289,9 @@ class InGraphBackend(Backend):
                            global_batch_size: int | None) -> _DistributedData:
         pbs = per_replica_batch(global_batch_size, self.num_replicas)
         return _DistributedData(self.strategy, [
-            input_fn(InputContext(i, self.num_replicas, pbs, cuda_device=gpu.cuda_device, tf_device=gpu.tf_device))
-            for i, gpu in enumerate(self._gpus)])
+            input_fn(InputContext(i, self.num_replicas, pbs, cuda_device=gpu.cuda_device, tf_device=gpu.tf_device,
+                                  devices=devices))
+            for i, (gpu, devices) in enumerate(zip(self._gpus, self._devices, strict=True))])
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         strategy = self.strategy

@@ -132,8 +132,10 @@ class Backend(abc.ABC):
     # hvrep's bucket size when CommConfig.fusion_threshold_bytes is None (see CommConfig).
     default_fusion_threshold_bytes: int = 128 * 1024 * 1024
 
-    def __init__(self, config: CommConfig) -> None:
+    def __init__(self, config: CommConfig, devices_per_replica: int = 1) -> None:
         self.config = config
+        # Devices each replica owns (Replicator(devices_per_replica=...)).
+        self.devices_per_replica = devices_per_replica
         # Collectives issued, for tests and reports (counted when traced).
         self.collective_calls = 0
         # How Keras' BatchNormalization layers train in a step ``run`` traces: "fused" or "keras"
@@ -178,6 +180,11 @@ class Backend(abc.ABC):
     @property
     @abc.abstractmethod
     def local_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def replica_devices(self) -> tuple[str, ...]:
+        """The devices of the replica running this code (inside ``run``), or of this process's first replica
+        (outside it): ``devices_per_replica`` TensorFlow device names."""
 
     @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager[None]:

@@ -34,12 +34,13 @@ from hvrep.replica import watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
-from hvrep.replica.devices import ReplicaGpu, rank_gpu
+from hvrep.replica.devices import NO_GPU, ReplicaGpu, rank_cpu_devices, rank_cuda_devices
 from hvrep.replica.placement import resolve_placement
 
 
-def bind_gpu(local_rank: int) -> ReplicaGpu:
-    """Makes this process see one GPU, number ``local_rank``, as Horovod's examples do.
+def bind_gpu(local_rank: int, devices_per_replica: int = 1, local_size: int = 1) -> ReplicaGpu:
+    """Makes this process see its own GPUs only: ``local_rank*k ... local_rank*k+k-1`` (k =
+    ``devices_per_replica``; with k = 1 the GPU number ``local_rank``), as Horovod's examples do for one.
 
     Must run before TensorFlow initialises its GPUs (``Replicator`` calls it at
     construction). Memory growth on, so ranks sharing a node do not each grab
@@ -48,22 +49,39 @@ def bind_gpu(local_rank: int) -> ReplicaGpu:
     leaves visible (``hvrep.replica.devices``).
 
     Returns:
-      The GPU bound: TensorFlow's "/gpu:0" and its CUDA number (its index in
-      the physical list bound from); both None without a GPU.
+      The first GPU bound: TensorFlow's "/gpu:0" and its CUDA number (its index
+      in the physical list bound from); both None without a GPU. TensorFlow
+      numbers the k GPUs bound "/gpu:0" ... "/gpu:k-1".
+
+    Raises:
+      hvrep.errors.ConfigError: ``devices_per_replica`` > 1 and this rank has fewer GPUs than that.
     """
     gpus = tf.config.list_physical_devices("GPU")
-    gpu = rank_gpu(local_rank, len(gpus))
-    if gpu.cuda_device is None:
-        return gpu
+    mine = rank_cuda_devices(local_rank, devices_per_replica, len(gpus), local_size)
+    if not mine:
+        return NO_GPU
     try:
-        tf.config.set_visible_devices(gpus[gpu.cuda_device], "GPU")
-        tf.config.experimental.set_memory_growth(gpus[gpu.cuda_device], True)
+        tf.config.set_visible_devices([gpus[i] for i in mine], "GPU")
+        for i in mine:
+            tf.config.experimental.set_memory_growth(gpus[i], True)
     except RuntimeError as e:  # GPUs already initialised
         raise SetupError(
-            f"cannot bind this rank to GPU {gpu.cuda_device}: TensorFlow already initialised its GPUs ({e}). Fix: "
+            f"cannot bind this rank to GPU(s) {mine}: TensorFlow already initialised its GPUs ({e}). Fix: "
             "create hvrep.Replicator before running any TensorFlow op."
         ) from e
-    return gpu
+    return ReplicaGpu(mine[0], "/gpu:0")
+
+
+def rank_devices(devices_per_replica: int, gpu: ReplicaGpu) -> tuple[str, ...]:
+    """A rank's devices once ``bind_gpu`` has run: its k GPUs as TensorFlow renumbered them, or without a GPU
+    its process's first k logical CPU devices (one CPU device needs no look-up, which would start TensorFlow's
+    runtime before the program could configure it)."""
+    k = devices_per_replica
+    if gpu.cuda_device is not None:
+        return tuple(f"/device:GPU:{i}" for i in range(k))
+    if k == 1:
+        return ("/device:CPU:0",)
+    return rank_cpu_devices(k, [d.name for d in tf.config.list_logical_devices("CPU")])
 
 
 @contextlib.contextmanager
@@ -226,8 +244,8 @@ class HorovodBackend(Backend):
     # 4.27-4.41 images/s, 128 MiB 4.00-4.07, 0 (each gradient to Horovod's own fusion) 4.05-4.20.
     default_fusion_threshold_bytes = 25 * 1024 * 1024
 
-    def __init__(self, config: CommConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: CommConfig, devices_per_replica: int = 1) -> None:
+        super().__init__(config, devices_per_replica)
         if config.compression == "bf16":
             raise CollectiveError(
                 "compression='bf16': Horovod cannot reduce bfloat16 tensors. Fix: use compression='fp16' "
@@ -245,7 +263,8 @@ class HorovodBackend(Backend):
         if not self.elastic:
             _check_world_size(int(self.hvd.size()))
         self._read_world()
-        self._gpu = bind_gpu(self._local_rank)
+        self._gpu = bind_gpu(self._local_rank, devices_per_replica, self._local_size)
+        self._devices = rank_devices(devices_per_replica, self._gpu)
         self._scope_vars: dict[int, tf.Variable] = {}
         self._functions = FunctionCache()
         self._signature: list[str] | None = None
@@ -351,6 +370,9 @@ class HorovodBackend(Backend):
     def local_size(self) -> int:
         return self._local_size
 
+    def replica_devices(self) -> tuple[str, ...]:
+        return self._devices
+
     def _name(self, kind: str) -> str:
         # Eager Horovod ops need names that match across ranks: every rank
         # makes the same eager calls in the same order.
@@ -398,7 +420,7 @@ class HorovodBackend(Backend):
     def distribute_dataset(self, input_fn: Callable[[InputContext], tf.data.Dataset],
                            global_batch_size: int | None) -> tf.data.Dataset:
         ctx = InputContext(self._rank, self.num_replicas, per_replica_batch(global_batch_size, self.num_replicas),
-                           cuda_device=self._gpu.cuda_device, tf_device=self._gpu.tf_device)
+                           cuda_device=self._gpu.cuda_device, tf_device=self._gpu.tf_device, devices=self._devices)
         return input_fn(ctx)
 
     # --- run ------------------------------------------------------------------------------
