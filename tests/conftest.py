@@ -18,3 +18,38 @@ import signal  # noqa: E402
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# `make test` runs whole files on two xdist workers (--dist loadfile), in the order collected here
+# (--no-loadscope-reorder; xdist's own reorder puts files with many tests first, which left the long launches
+# with few tests to the end, where one worker ran them while the other idled). Longest first, then the rest in
+# pytest's order: one worker's last file is then a short one. Seconds per file from a fresh-clone CI; a file
+# that grows long belongs here.
+LONGEST_FIRST = (
+    "tests/multirank/test_multirank.py",
+    "tests/unit/perf/test_benchmark_vs_horovod.py",
+    "tests/slurm/test_slurm_multinode.py",
+    "tests/slurm/test_slurm.py",
+    "tests/multirank/test_dead_and_stopped_ranks.py",
+    "tests/unit/perf/test_bench.py",
+    "tests/multirank/test_elastic.py",
+    "tests/unit/docs/test_examples.py",
+    "tests/unit/train/test_loop.py",
+    "tests/unit/perf/test_benchmark_optimizer_apply.py",
+    "tests/unit/train/test_schedule_resume.py",
+    "tests/unit/train/test_fit_loop.py",
+    "tests/unit/kernels/test_kernels_build.py",
+    "tests/multihost/test_netbed.py",
+    "tests/unit/perf/test_benchmark_allreduce.py",
+    "tests/unit/train/test_train_stop.py",
+    "tests/unit/train/test_train_cli.py",
+    "tests/unit/cluster/test_doctor.py",
+    "tests/unit/test_compat.py",
+    "tests/multirank/test_harness.py",
+    "tests/unit/replica/test_backend_choice.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
