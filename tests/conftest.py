@@ -23,8 +23,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # `make test` runs whole files on two xdist workers (--dist loadfile), in the order collected here
 # (--no-loadscope-reorder; xdist's own reorder puts files with many tests first, which left the long launches
 # with few tests to the end, where one worker ran them while the other idled). Longest first, then the rest in
-# pytest's order: one worker's last file is then a short one. Seconds per file from a fresh-clone CI; a file
-# that grows long belongs here.
+# pytest's order: one worker's last file is then a short one. Ordered by their durations in the CI runs so
+# far; a file that grows long belongs here.
 LONGEST_FIRST = (
     "tests/multirank/test_multirank.py",
     "tests/unit/perf/test_benchmark_vs_horovod.py",
