@@ -1,6 +1,7 @@
 """The SN-GAN batch-size finding at small scale: sample quality at equal generator steps, by global batch.
 
-    python benchmarks/sngan_batch.py --steps 600 --seeds 0 1 2 --out results/sngan_batch.jsonl --plot docs/sngan_batch.png
+    python benchmarks/sngan_batch.py --steps 600 --seeds 0 1 2 --out results/sngan_batch.jsonl \
+        --plot docs/sngan_batch.png
 
 TF-Replicator's paper trained its class-conditional SN-GAN on larger global batches than one device holds
 (cross-replica batch norm in the generator) and found better samples at equal generator updates. Here:

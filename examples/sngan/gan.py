@@ -117,8 +117,9 @@ class SNGAN:
         n, rid = hvrep.num_replicas(), hvrep.replica_id()
         seed = tf.stack([tf.constant(self.cfg.seed, tf.int64), tf.cast(step, tf.int64) * 64 + k])
         z = tf.random.stateless_normal(tf.stack([n * batch, self.cfg.z_dim]), seed=seed)
-        y = tf.random.stateless_uniform(tf.stack([n * batch]), seed=seed + [0, 1 << 40], minval=0,
-                                        maxval=self.cfg.num_classes, dtype=tf.int32)
+        y_seed = seed + tf.constant([0, 1 << 40], tf.int64)
+        y = tf.random.stateless_uniform(tf.stack([n * batch]), seed=y_seed, minval=0, maxval=self.cfg.num_classes,
+                                        dtype=tf.int32)
         lo = tf.cast(rid, tf.int32) * batch
         return z[lo:lo + batch], y[lo:lo + batch]
 

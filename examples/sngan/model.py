@@ -125,7 +125,7 @@ class Generator(keras.Model):
         self.fc = keras.layers.Dense(4 * 4 * chans[0], name="fc")
         self.reshape = keras.layers.Reshape((4, 4, chans[0]))
         self.norms = [ConditionalBatchNorm(num_classes, name=f"cbn{i}") for i in range(len(chans) + 1)]
-        outs = chans[1:] + [width]
+        outs = [*chans[1:], width]
         self.convs = [keras.layers.Conv2D(c, 3, padding="same", name=f"conv{i}") for i, c in enumerate(outs)]
         self.up = keras.layers.UpSampling2D(2)
         self.to_rgb = keras.layers.Conv2D(3, 3, padding="same", name="to_rgb")

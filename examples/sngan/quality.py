@@ -32,7 +32,7 @@ import scipy.linalg
 import tensorflow as tf
 
 from hvrep import _env
-from hvrep.data import DataConfig, make_dataset, num_examples
+from hvrep.data import DataConfig, make_dataset
 from hvrep.errors import DataError
 
 _EPOCHS = 15

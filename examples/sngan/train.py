@@ -57,7 +57,7 @@ class AppConfig:
     checkpoint_every: int = 500
     quality: bool = True
     threads: int | None = None
-    gan: GANConfig = GANConfig()
+    gan: GANConfig = dataclasses.field(default_factory=GANConfig)
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -93,9 +93,9 @@ def config(overrides: Sequence[str]) -> AppConfig:
                               f"{sorted({f.name for f in dataclasses.fields(AppConfig)} - {'gan'})} or gan.<key> "
                               f"with <key> one of {sorted(f.name for f in dataclasses.fields(GANConfig))}.")
         try:
-            (gan if section is base.gan else top)[name] = _parse(value, getattr(section, name))
+            target[name] = _parse(value, getattr(section, name))
         except ValueError:
-            raise ConfigError(f"{key}={value!r} is not a {type(getattr(section, name)).__name__}. Fix: e.g. "
+            raise ConfigError(f"{key}={value!r} is not of type {type(getattr(section, name)).__name__}. Fix: e.g. "
                               f"{key}={getattr(section, name)}.") from None
     return dataclasses.replace(base, **top, gan=dataclasses.replace(base.gan, **gan))
 
@@ -156,7 +156,7 @@ class _App:
         self.metrics.image("samples", step, picture)
         path = self.out / "samples" / f"step-{step:06d}.png"
         _write_png(picture, path)
-        return {**figures, "images": int(len(labels)), "png": str(path),
+        return {**figures, "images": len(labels), "png": str(path),
                 "per_class_accuracy": [round(a, 4) for a in np.asarray(figures["per_class_accuracy"]).tolist()]}
 
 
@@ -195,8 +195,11 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     import tensorflow as tf
 
     if cfg.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(cfg.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(cfg.threads)
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(cfg.threads)
+            tf.config.threading.set_inter_op_parallelism_threads(cfg.threads)
+        except RuntimeError:  # TensorFlow already runs in this process (a caller ran ops): its pools stay
+            pass
 
     from examples.sngan.gan import SNGAN
     from hvrep.data import write_demo
@@ -221,7 +224,7 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
 
         judge = Judge(data, say=metrics.say)
         refs = judge.references()
-        metrics.write("reference", classifier=str(judge.path), images=int(len(judge.requested_labels())), **refs)
+        metrics.write("reference", classifier=str(judge.path), images=len(judge.requested_labels()), **refs)
         for name, r in refs.items():
             metrics.say(f"sngan: {name}: Fréchet distance {r['fid']:.2f}, class accuracy {r['class_accuracy']:.3f}")
     repl.reduce(tf.constant(0), "sum")  # every rank waits for the chief's data and classifier

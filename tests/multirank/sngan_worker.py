@@ -38,7 +38,7 @@ def _data(num_replicas: int, replica: int) -> list[tuple]:
 def _train(repl) -> dict:
     import tensorflow as tf
 
-    from examples.sngan.gan import GANConfig, SNGAN
+    from examples.sngan.gan import SNGAN, GANConfig
 
     gan = SNGAN(repl, GANConfig(optimizer="sgd", lr_g=0.05, lr_d=0.05, n_dis=N_DIS, ema_decay=0.5))
     n = repl.num_replicas
