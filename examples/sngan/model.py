@@ -116,12 +116,19 @@ class ConditionalBatchNorm(keras.layers.Layer):
 
 class Generator(keras.Model):
     """(noise (B, z_dim), labels (B,)) -> images (B, 32, 32, 3) in [-1, 1]: 4x4 -> 8 -> 16 -> 32 by
-    nearest upsampling and 3x3 convolutions, each preceded by conditional batch norm and ReLU."""
+    nearest upsampling and 3x3 convolutions, each preceded by conditional batch norm and ReLU.
+
+    The class also enters at the input, as a learned embedding concatenated to the noise (as BigGAN's
+    shared embedding does): with the class only in the batch norms' gamma and beta, a 2-rank run on the
+    digits still drew the wrong class for 82% of its samples after 1,000 steps (FID 60, class accuracy
+    0.18; docs/sngan.md).
+    """
 
     def __init__(self, num_classes: int = 10, z_dim: int = 64, width: int = 32, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.num_classes, self.z_dim, self.width = num_classes, z_dim, width
         chans = [4 * width, 2 * width, width]
+        self.class_embedding = keras.layers.Embedding(num_classes, z_dim, name="class_embedding")
         self.fc = keras.layers.Dense(4 * 4 * chans[0], name="fc")
         self.reshape = keras.layers.Reshape((4, 4, chans[0]))
         self.norms = [ConditionalBatchNorm(num_classes, name=f"cbn{i}") for i in range(len(chans) + 1)]
@@ -132,7 +139,7 @@ class Generator(keras.Model):
 
     def call(self, inputs: Any, training: Any = None) -> tf.Tensor:
         z, y = inputs
-        h = self.reshape(self.fc(z))
+        h = self.reshape(self.fc(tf.concat([z, self.class_embedding(y)], -1)))
         for norm, conv in zip(self.norms[:-1], self.convs, strict=True):
             h = conv(self.up(tf.nn.relu(norm((h, y), training=training))))
         h = tf.nn.relu(self.norms[-1]((h, y), training=training))
