@@ -38,8 +38,8 @@ class GANConfig:
       z_dim: noise dimensions.
       g_width, d_width: base channel counts (G: 4w, 2w, w; D: w .. 8w).
       n_dis: discriminator updates per generator update (SN-GAN: 5 at batch 64; 2 trains faster here).
-      lr_g, lr_d: Adam learning rates (SN-GAN's 2e-4 is tuned for runs of 10^5 steps; 5e-4 suits the
-        minutes this app is run for on a CPU).
+      lr_g, lr_d: Adam learning rates. SN-GAN used 2e-4 for runs of 10^5 steps; these defaults are the
+        ones of the minutes-long run in docs/sngan.md (2e-4 was not tried with the final networks).
       beta1, beta2: Adam's (SN-GAN: 0.0, 0.9).
       ema_decay: of the generator's weights, per generator update, reached after a warm-up
         (min(ema_decay, (1 + t) / (10 + t)) at step t; 0: no averaging).
