@@ -62,8 +62,8 @@ class GANConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.n_dis < 1:
-            raise ConfigError(f"n_dis must be >= 1, got {self.n_dis}.")
+        if not 1 <= self.n_dis < 64:  # the noise's seed counts 64 draws per step (_draw)
+            raise ConfigError(f"n_dis must be in [1, 63], got {self.n_dis}.")
         if self.optimizer not in ("adam", "sgd"):
             raise ConfigError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}.")
         if not 0.0 <= self.ema_decay < 1.0:
