@@ -97,6 +97,15 @@ class MetricsWriter:
                     if isinstance(v, int | float) and not isinstance(v, bool):
                         tf.summary.scalar(f"{event}/{k}", v)
 
+    def image(self, name: str, step: int, picture: Any) -> None:
+        """Writes one picture (H, W, 3) uint8 to TensorBoard's images at ``step`` (an app's samples)."""
+        if self._tb is None:
+            return
+        import tensorflow as tf
+
+        with self._tb.as_default(step=step):
+            tf.summary.image(name, tf.convert_to_tensor(picture)[None], max_outputs=1)
+
     def record_only(self, event: str, **values: Any) -> None:
         """Appends one record to metrics.jsonl and nothing to TensorBoard: safe from another thread while the
         main thread is blocked inside TensorFlow (the hang watchdog's last words)."""
