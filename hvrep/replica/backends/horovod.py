@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvrep import _env, compat
+from hvrep.compat import gloo_sockets
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
 from hvrep.replica import watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
@@ -178,7 +179,11 @@ def _start_horovod(hvd: Any, config: CommConfig, *, started_by_hvrep: bool = Fal
     _yield_asked = config.mpi_yield_when_idle
     _started_with = _env.set_horovod_knobs(config.horovod_fusion_threshold_bytes, config.cycle_time_ms,
                                            config.mpi_yield_when_idle, mpi_started)
-    hvd.init()
+    if _env.horovod_elastic():
+        with gloo_sockets.recorded():  # the world's connections, shut down on the next reset (reform_world)
+            hvd.init()
+    else:
+        hvd.init()
     got = _env.flag_value(_started_with[_env.OMPI_MCA_MPI_YIELD_WHEN_IDLE])
     if (mpi_started and config.mpi_yield_when_idle and not got and int(hvd.size()) > 1 and int(hvd.rank()) == 0
             and hvd.mpi_enabled()):
@@ -216,6 +221,10 @@ def reform_world() -> None:
     hvd = compat.import_horovod()
     watchdog.install(None)
     hvd.shutdown()
+    # Horovod 0.28.1 leaves the old world's Gloo connections open after its shutdown: a survivor waiting to
+    # receive from this worker would wait out the Gloo timeout (hvrep/compat/gloo_sockets.py).
+    closed = gloo_sockets.shut_down_world()
+    _log.debug("hvrep: shut down %d connection(s) of the old Gloo world", closed)
     _start_horovod(hvd, backends[0].config, started_by_hvrep=True)
     for b in backends:
         b.reform()
