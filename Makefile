@@ -85,8 +85,8 @@ lint: setup
 # worker fills. A test file runs whole on one worker (its module and session fixtures, e.g. one launch for many
 # cases, are made once); what files share outside pytest (caches under ~/.cache/hvrep, Slurm clusters on free
 # ports) is safe to use from two at once. Files start longest first (tests/conftest.py, LONGEST_FIRST; xdist's
-# own reorder is off). Tests marked slow (minutes on namespace hosts, meeting a known open problem
-# in most runs: tests/multihost/test_elastic_bed.py) run only when asked: `.venv/bin/python -m pytest -m slow`.
+# own reorder is off). Tests marked slow (minutes on namespace hosts:
+# tests/multihost/test_elastic_bed.py) run only when asked: `.venv/bin/python -m pytest -m slow`.
 TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial and not slow" $(PYTEST_ARGS)

@@ -51,7 +51,7 @@ _REASON = netbed.unavailable_reason()
 
 pytestmark = [
     pytest.mark.multirank,
-    # Outside `make test` until the known problem above is fixed: it meets it in most runs, and takes minutes.
+    # Outside `make test` (pytest -m slow): three 3-host beds for 3-5 minutes do not fit its 25-minute budget yet.
     pytest.mark.slow,
     pytest.mark.skipif(_REASON is not None, reason=f"netbed: {_REASON}"),
 ]
