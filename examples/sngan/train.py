@@ -183,17 +183,15 @@ def _write_png(picture: Any, path: Path) -> None:
 def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     """Trains on every rank; returns the summary (the chief's has the last evaluation)."""
     from hvrep import _env
-    from hvrep.train import cores, rundir
+    from hvrep.train import rundir
 
     rundir.check_output_dir(cfg.output_dir, resume, overwrite=False)
     _env.quiet_tensorflow_logs()
-    import hvrep
-
-    placement = hvrep.resolve_placement()
-    budget = cores.default_budget(cfg.threads, False, placement.local_size)
-    cfg = dataclasses.replace(cfg, threads=budget.threads)
     import tensorflow as tf
 
+    import hvrep
+
+    # threads=None: the Replicator's default CPU budget (each rank's share of its node's cores) applies.
     if cfg.threads:
         try:
             tf.config.threading.set_intra_op_parallelism_threads(cfg.threads)
@@ -209,6 +207,8 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     from hvrep.train.metrics import MetricsWriter
 
     repl = hvrep.Replicator("auto")
+    if cfg.threads is None and repl.cpu_budget is not None:  # the data pipeline's pool gets the same share
+        cfg = dataclasses.replace(cfg, threads=repl.cpu_budget.threads)
     n, chief, out = repl.num_replicas, repl.is_chief, Path(cfg.output_dir)
     if cfg.global_batch % n:
         raise ConfigError(f"global_batch={cfg.global_batch} must divide by the {n} replicas. Fix: "
@@ -234,8 +234,9 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     ckpt = CheckpointManager(out / "checkpoints", is_chief=chief, keep=2, step=step, **gan.checkpoint_items())
     resumed = resuming.restore(repl, ckpt) if resume else None
+    budget = repl.cpu_budget.why if repl.cpu_budget else f"threads={cfg.threads}"
     metrics.write("config", config=dataclasses.asdict(cfg), replicas=n, backend=repl.backend,
-                  data_dir=data_dir, resumed_from=str(resumed.folder) if resumed else None, cpu_budget=budget.why)
+                  data_dir=data_dir, resumed_from=str(resumed.folder) if resumed else None, cpu_budget=budget)
     metrics.say(f"sngan: {n} replica(s) ({repl.backend}), global batch {cfg.global_batch} per update, "
                 f"{cfg.gan.n_dis} D updates per G update, {cfg.steps} G updates"
                 + (f", resumed from {resumed.folder} at step {int(step.numpy())}" if resumed else ""))
