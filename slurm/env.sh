@@ -43,3 +43,37 @@ hvrep_output_dir() {
   done
   printf '%s\n' "$dir"
 }
+
+# The runs of hvrep train a metrics.jsonl holds: each start appends one run, which begins with its
+# `config` event (rank 0 writes it once the configuration is read). 0 when the file is missing.
+hvrep_runs() {
+  python - "$1" <<'PY'
+import json, sys
+
+try:
+    with open(sys.argv[1]) as f:
+        print(sum(json.loads(line)["event"] == "config" for line in f if line.strip()))
+except OSError:
+    print(0)
+PY
+}
+
+# How the run that came after the first N runs of a metrics.jsonl ended: its `final` event's
+# `stopped`, or nothing when it wrote no `final` event (it crashed) or never began (no `config` event
+# after the N: a start that died before hvrep read its configuration). Count the runs before a start
+# (hvrep_runs) and ask about that start: the file's last run may be an earlier start's.
+hvrep_run_stopped() {
+  python - "$1" "$2" <<'PY'
+import json, sys
+
+try:
+    with open(sys.argv[1]) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+except OSError:
+    events = []
+starts = [i for i, e in enumerate(events) if e["event"] == "config"]
+before = int(sys.argv[2])
+run = events[starts[before]:starts[before + 1] if len(starts) > before + 1 else None] if len(starts) > before else []
+print(next((e.get("stopped", "") for e in reversed(run) if e["event"] == "final"), ""))
+PY
+}
