@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import hvrep
     from hvrep import _env
     from hvrep.data import num_examples, synthetic_dataset, write_demo
+    from hvrep.replica import cores
     from hvrep.train import main as train_main
     from hvrep.train import optim as optimizers
     from hvrep.train.checkpoint import CheckpointManager
@@ -78,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hvrep.train.position import SchedulePosition
     from hvrep.train.steps import Runner
 
-    train_main._limit_threads(cfg.train.threads)
+    if cfg.train.threads is not None:
+        cores.set_pools(cfg.train.threads, f"train.threads={cfg.train.threads}")
     repl = hvrep.Replicator("auto", config=cfg.comm)
     demo_root = _env.cache_dir() / "demo-data"
     if repl.is_chief and Path(cfg.data.data_dir).parent == demo_root:

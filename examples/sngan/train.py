@@ -183,6 +183,7 @@ def _write_png(picture: Any, path: Path) -> None:
 def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     """Trains on every rank; returns the summary (the chief's has the last evaluation)."""
     from hvrep import _env
+    from hvrep.replica import cores
     from hvrep.train import rundir
 
     rundir.check_output_dir(cfg.output_dir, resume, overwrite=False)
@@ -193,11 +194,7 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
 
     # threads=None: the Replicator's default CPU budget (each rank's share of its node's cores) applies.
     if cfg.threads:
-        try:
-            tf.config.threading.set_intra_op_parallelism_threads(cfg.threads)
-            tf.config.threading.set_inter_op_parallelism_threads(cfg.threads)
-        except RuntimeError:  # TensorFlow already runs in this process (a caller ran ops): its pools stay
-            pass
+        cores.set_pools(cfg.threads, f"threads={cfg.threads}")
 
     from examples.sngan.gan import SNGAN
     from hvrep.data import write_demo

@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from hvrep.errors import ConfigError
+from hvrep.errors import ConfigError, HvrepError
 
 _log = logging.getLogger("hvrep")
 # TensorFlow's own variables for its pools' sizes (read when its runtime starts).
@@ -79,6 +79,26 @@ def default_budget(threads: int | None, bind: bool | None, local_size: int,
     return Budget(threads, bind, why + (", bound here" if bind else ""))
 
 
+def set_pools(threads: int, setting: str) -> None:
+    """Sizes TensorFlow's two op pools (intra-op and inter-op) to ``threads`` each.
+
+    Args:
+      setting: what asked for it, as the user wrote it (``train.threads=2``), for the error.
+
+    Raises:
+      HvrepError: TensorFlow's runtime already runs in this process (an op ran): its pools are fixed.
+    """
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError as e:
+        raise HvrepError(f"{setting} cannot be applied: TensorFlow's runtime is already running ({e}). Fix: set it "
+                         "before anything else runs TensorFlow ops in this process, or export "
+                         "TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS instead.") from None
+
+
 def size_pools(local_size: int, *, bind: bool = True) -> Budget:
     """The default budget of one of ``local_size`` ranks on a node, with TensorFlow's two op pools sized to it
     now (``bind``: whether binding may be chosen; the caller binds with :func:`bind_cores` once it knows its
@@ -102,9 +122,8 @@ def size_pools(local_size: int, *, bind: bool = True) -> Budget:
     if budget.threads is None:
         return budget
     try:
-        tf.config.threading.set_intra_op_parallelism_threads(budget.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(budget.threads)
-    except RuntimeError:  # TensorFlow's runtime started before the Replicator: its pools are fixed
+        set_pools(budget.threads, "the Replicator's cpu_budget")
+    except HvrepError:  # TensorFlow's runtime started before the Replicator: its pools are fixed
         _log.warning(
             "hvrep: TensorFlow's runtime was already running when the Replicator was created, so this rank keeps "
             "TensorFlow's thread pools (sized for all %d cores, shared by %d ranks on this node) instead of %s. "

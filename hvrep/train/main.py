@@ -53,21 +53,6 @@ def _model(cfg: configs.RunConfig) -> Any:
                                zero_init_residual=m.zero_init_residual)
 
 
-def _limit_threads(threads: int | None) -> None:
-    """TensorFlow's op pools to ``threads`` each; before anything runs an op (then they are fixed)."""
-    import tensorflow as tf
-
-    if threads is None:
-        return
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-    except RuntimeError as e:  # TensorFlow already started in this process (e.g. a caller ran ops)
-        raise HvrepError(f"train.threads={threads} cannot be applied: TensorFlow's runtime is already running "
-                         f"({e}). Fix: set it before anything else runs TensorFlow ops in this process, or "
-                         "export TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS instead.") from None
-
-
 def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Trains; returns the final summary (the same on every rank).
 
@@ -122,7 +107,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     budget = cores.default_budget(cfg.train.threads, False if elastic else cfg.train.bind_cores, placement.local_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=budget.threads,
                                                              bind_cores=budget.bind))
-    _limit_threads(cfg.train.threads)
+    if cfg.train.threads is not None:
+        cores.set_pools(cfg.train.threads, f"train.threads={cfg.train.threads}")
     if cfg.train.precision != "fp32":
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
     repl = hvrep.Replicator("auto", config=cfg.comm, cpu_budget="off")  # applied above, from the settings

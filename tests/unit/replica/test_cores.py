@@ -98,3 +98,28 @@ def test_a_replicator_of_one_process_keeps_tensorflows_pools_and_a_typo_names_th
     assert repl.cpu_budget is None and repl.cpu_binding is None
     with pytest.raises(ConfigError, match=r"cpu_budget must be one of \('auto', 'off'\), got 'of'"):
         hvrep.Replicator("local", cpu_budget="of")
+
+
+POOLS_CHILD = """
+import sys
+import tensorflow as tf
+from hvrep.errors import HvrepError
+from hvrep.replica.cores import set_pools
+set_pools(3, "train.threads=3")
+print(tf.config.threading.get_intra_op_parallelism_threads(), tf.config.threading.get_inter_op_parallelism_threads())
+tf.constant(1.0) + 1.0  # the runtime starts: its pools are fixed now
+try:
+    set_pools(2, "train.threads=2")
+except HvrepError as e:
+    print(e)
+"""
+
+
+def test_set_pools_sizes_both_pools_and_once_an_op_ran_names_the_setting_and_the_fix():
+    out = subprocess.run([sys.executable, "-c", POOLS_CHILD], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    sized, error = out.stdout.splitlines()[:2]
+    assert sized == "3 3"
+    assert error.startswith("train.threads=2 cannot be applied: TensorFlow's runtime is already running"), error
+    assert "TF_NUM_INTRAOP_THREADS" in error
