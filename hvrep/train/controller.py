@@ -195,7 +195,8 @@ class Controller:
         state.step.assign(lp.step)
         state.position.assign(lp.position + lp.steps_done)
         lp.segments = lp.at.segments(n, gb, lp.segment_steps)
-        # Agree on stopping: a signal may have reached only some ranks.
+        # Agree on stopping (a signal may have reached only some ranks) in the reduce of the totals: one
+        # collective, where StopRequest.agreed would add a second per loop.
         flags = repl.reduce({"stop": tf.constant(int(stop.requested)), "totals": self.runner.totals()}, "sum")
         self.runner.reset_totals()
         lp.loss_sum += float(flags["totals"][0]) / n

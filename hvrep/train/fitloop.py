@@ -151,7 +151,7 @@ class _StopAgreement(keras.callbacks.Callback):
         self.signalled = False
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if int(self.repl.reduce(tf.constant(int(self.stop.requested)), "sum")) > 0:
+        if self.stop.agreed(self.repl):
             self.signalled = True
             self.model.stop_training = True
 

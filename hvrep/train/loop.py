@@ -107,13 +107,13 @@ def run_loop(app: App, cfg: LoopConfig, *, repl: Any, step: tf.Variable, checkpo
             s += n
             step.assign(s)
             # A signal may have reached only some ranks: agree on stopping.
-            stop_votes = int(repl.reduce(tf.constant(int(stop.requested)), "sum"))
+            stop_agreed = stop.agreed(repl)
             metrics.write("train", s, steps_per_sec=n / max(time.perf_counter() - t0, 1e-9), **figures)
             if cfg.eval_every and s % cfg.eval_every == 0 and s < cfg.max_steps:
                 evaluate()
             if cfg.checkpoint_every and s % cfg.checkpoint_every == 0 and s < cfg.max_steps:
                 save()
-            if stop_votes:
+            if stop_agreed:
                 stopped = "signal"
                 save()
                 break

@@ -19,6 +19,7 @@ import signal
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -32,6 +33,12 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def agreed(self, repl: Any) -> bool:
+        """Whether any replica of ``repl`` was asked to stop (one reduce: call it on every rank at the same step)."""
+        import tensorflow as tf
+
+        return int(repl.reduce(tf.constant(int(self.requested)), "sum")) > 0
 
     def _handle(self, signum: int, _frame: types.FrameType | None) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
