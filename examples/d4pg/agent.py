@@ -125,6 +125,7 @@ class D4PG:
         # Only read inside the step, updated after it: plain variables of this process.
         self.target_policy = _mlp(obs_dim, cfg.hidden, act_dim, "target_policy")
         self.target_critic = _mlp(obs_dim + act_dim, cfg.hidden, cfg.atoms, "target_critic")
+        self.target_policy.trainable = self.target_critic.trainable = False  # no gradient ever reaches them
         self._copy_targets()
 
     def _optimizer(self, lr: float) -> Any:
