@@ -46,7 +46,7 @@ class ActorPool:
         env = _env.job_free_environ({**_ONE_THREAD, _env.PYTHONPATH: ":".join(filter(None, [str(ROOT), pythonpath]))})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._logs[i] is None:
-            self._logs[i] = open(self.log_dir / f"{self.name}-actor{i}.log", "ab")  # noqa: SIM115 (closed in close)
+            self._logs[i] = open(self.log_dir / f"{self.name}-actor{i}.log", "ab")  # closed in close()
         self.procs[i] = subprocess.Popen(
             [sys.executable, "-m", "examples.d4pg.actor", json.dumps(dataclasses.asdict(spec))], env=env,
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._logs[i], stderr=subprocess.STDOUT)

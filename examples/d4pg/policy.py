@@ -8,6 +8,7 @@ weights travel as one flat float32 vector in the order ``W1, b1, W2, b2, ...`` (
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,7 +18,7 @@ def layer_shapes(obs_dim: int, act_dim: int, hidden: Sequence[int]) -> list[tupl
     """The shapes of the flat vector's pieces, in order: kernel (in, out), then bias (out,), per layer."""
     sizes = [obs_dim, *hidden, act_dim]
     shapes: list[tuple[int, ...]] = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True):
+    for n_in, n_out in itertools.pairwise(sizes):
         shapes += [(n_in, n_out), (n_out,)]
     return shapes
 

@@ -62,7 +62,7 @@ class Replay:
     def note(self, actor: int, env_steps: int, episodes: int, last_return: float) -> None:
         self.counters[actor, 1] = env_steps
         self.counters[actor, 2] = episodes
-        self.counters[actor, 3] = int(round(last_return * 1000))
+        self.counters[actor, 3] = round(last_return * 1000)
 
     # --- the learner's side
     def inserted(self) -> int:

@@ -124,7 +124,8 @@ def config(overrides: Sequence[str]) -> AppConfig:
         if not sep or name not in {f.name for f in dataclasses.fields(section)} - {"agent"}:
             raise ConfigError(f"unknown setting {item!r}. Fix: key=value with key one of "
                               f"{sorted({f.name for f in dataclasses.fields(AppConfig)} - {'agent'})} or "
-                              f"agent.<key> with <key> one of {sorted(f.name for f in dataclasses.fields(D4PGConfig))}.")
+                              f"agent.<key> with <key> one of "
+                              f"{sorted(f.name for f in dataclasses.fields(D4PGConfig))}.")
         try:
             target[name] = _parse(value, getattr(section, name))
         except ValueError:
