@@ -177,6 +177,15 @@ def evaluate_policy(env_id: str, flat: np.ndarray, hidden: tuple[int, ...], epis
     return returns
 
 
+def may_sample(cfg: AppConfig, size: int, inserted: int, sampled: int, rows: int) -> bool:
+    """Whether a learner whose replay holds ``size`` rows (``inserted`` ever) and that has sampled ``sampled`` may
+    sample ``rows`` more: once ``min_replay`` is met, and, with a rate limiter, while sampled rows stay within
+    ``samples_per_insert`` per inserted row."""
+    if size < cfg.min_replay:
+        return False
+    return cfg.samples_per_insert <= 0 or sampled + rows <= cfg.samples_per_insert * inserted
+
+
 def default_actors(local_size: int) -> int:
     """Actors per learner rank when none is set: the node's cores less its learner ranks, shared, at least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -215,12 +224,7 @@ class _App:
         """Waits until this rank's replay may be sampled (min_replay, the rate limiter); returns the seconds."""
         waited = 0.0
         while True:
-            inserted = self.replay.inserted()
-            ready = self.replay.size() >= self.cfg.min_replay
-            if ready and self.cfg.samples_per_insert > 0:
-                budget = self.cfg.samples_per_insert * max(1, inserted - self.cfg.min_replay)
-                ready = self.sampled + self.rows_per_step <= budget + self.cfg.samples_per_insert * self.cfg.min_replay
-            if ready:
+            if may_sample(self.cfg, self.replay.size(), self.replay.inserted(), self.sampled, self.rows_per_step):
                 return waited
             self._check_actors()  # an actor that died while the learner waits for it is restarted
             time.sleep(0.01)

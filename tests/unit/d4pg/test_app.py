@@ -87,6 +87,15 @@ def test_a_killed_actor_is_restarted_stopped_actors_stop_nothing_and_resume_cont
     assert _lines(out, "config")[-1]["resumed_from"], "the second run did not resume"
 
 
+def test_the_learner_waits_for_min_replay_and_for_the_rate_limiter_only() -> None:
+    free = train.config(["min_replay=100"])
+    assert not train.may_sample(free, 99, 99, 0, 32) and train.may_sample(free, 100, 100, 0, 32)
+    assert train.may_sample(free, 100, 100, 10**9, 32)  # no limiter: never waits once min_replay is met
+    limited = train.config(["min_replay=100", "samples_per_insert=2"])
+    assert train.may_sample(limited, 100, 100, 168, 32) and not train.may_sample(limited, 100, 100, 169, 32)
+    assert train.may_sample(limited, 120, 120, 169, 32)  # 20 more inserted: 40 more may be sampled
+
+
 def test_settings_are_checked_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"unknown setting 'batchsize=3'.*agent\.<key>"):
         train.config(["batchsize=3"])
