@@ -111,6 +111,8 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
     trains = [d for d in lines if d["event"] == "train"]
     evals = [d for d in lines if d["event"] == "eval"]
     base = {"ranks": run["ranks"], "actors_per_rank": run["actors_per_rank"], "load": run["load"]}
+    if run["stall"]:  # a stall run's one-episode evaluations are no curve
+        evals = []
     out = [{"kind": "curve", **base, "step": e["step"], "wall_sec": round(e["time"] - t0, 1),
             "return": round(e["return"], 1)} for e in evals]
     rates = [d["steps_per_sec"] for d in trains[1:]]
@@ -182,7 +184,10 @@ def main() -> int:
     args = p.parse_args()
     records: list[dict[str, Any]] = []
     if args.stall:
-        extra = ["steps_per_loop=25", "eval_every=0", "eval_episodes=1", "checkpoint_every=0", *args.settings]
+        # A replay of 4000 rows per rank (16 s of one actor's 250 steps/s): with its actors running, its samples'
+        # age stays level, so the stall's rise shows (the default 200,000 rows grow older all run long).
+        extra = ["steps_per_loop=25", "eval_every=0", "eval_episodes=1", "checkpoint_every=0", "replay_size=4000",
+                 *args.settings]
         records += summarize(one_run(2, args.actors, args.steps, extra, args.timeout, args.keep, stall=True))
     else:
         extra = [f"eval_every={args.eval_every}", "checkpoint_every=0", *args.settings]
