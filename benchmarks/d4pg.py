@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -70,6 +71,7 @@ def one_run(ranks: int, actors: int, steps: int, extra: list[str], timeout: floa
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
     lines = _lines(out / "metrics.jsonl")
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"ranks": ranks, "actors_per_rank": max(1, actors // ranks), "steps": steps, "rc": proc.returncode,
             "start": t0, "lines": lines, "stall": stall_times, "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "tail": output[-2000:] if proc.returncode else ""}
