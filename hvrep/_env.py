@@ -157,6 +157,18 @@ def environ_snapshot() -> dict[str, str]:
     return dict(os.environ)
 
 
+# A process that must not join the launcher's job (an actor of examples/d4pg) starts without these: Open MPI's and
+# PMIx's would make an MPI library it loads think it is a rank, Horovod's would make it look for a rendezvous.
+JOB_PREFIXES: tuple[str, ...] = ("OMPI_", "PMIX_", "PMI_", "HOROVOD_")
+
+
+def job_free_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment less the launcher's job variables (``JOB_PREFIXES``), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(JOB_PREFIXES)}
+    env.update(extra or {})
+    return env
+
+
 def cache_dir() -> Path:
     """Where hvrep caches slow builds (Horovod and DALI-plugin wheels)."""
     return Path(os.environ.get(HVREP_CACHE_DIR) or Path.home() / ".cache" / "hvrep")

@@ -1,0 +1,214 @@
+"""D4PG with asynchronous actors (examples/d4pg): return against wall time and learner steps, 1 and 2 learner ranks
+with the same total actors; learner steps/s scaling; and ``--stall``: one rank's actors stopped for 10 s.
+
+    python benchmarks/d4pg.py --ranks 1 2 --actors 2 --steps 6000 --out results/d4pg.jsonl --plot docs/img/d4pg.png
+    python benchmarks/d4pg.py --stall --out results/d4pg.jsonl          # 2 ranks; SIGSTOP rank 0's actors 10 s
+
+Each run is ``examples.d4pg.train`` (1 rank: one process; 2: ``horovodrun --gloo``) in a fresh folder, one run at a
+time. JSON lines: ``curve`` (one per evaluation: ranks, learner step, seconds since the run's start, the mean
+return of 10 fixed-seed episodes), ``run`` (learner steps/s, median and spread over its ``train`` lines after the
+first; actor environment steps/s; the first evaluation >= -200 and when), ``scaling`` (2 ranks' steps/s and
+transitions/s over 1 rank's), ``stall`` (rank 0's learner steps/s and sample age in the 10 s before and during the
+stop, their ratio). A shared machine's load moves every figure: the ``load`` field is the 1-minute load average
+at the start and end of each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SOLVED = -200.0  # Pendulum-v1: the issue's bar for the mean of 10 fixed-seed episodes
+
+
+def _command(ranks: int, overrides: list[str]) -> list[str]:
+    app = [sys.executable, "-m", "examples.d4pg.train", *overrides]
+    if ranks == 1:
+        return app
+    return [str(BIN / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", *app]
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    return {k: v for k, v in env.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+
+
+def one_run(ranks: int, actors: int, steps: int, extra: list[str], timeout: float, keep: Path | None,
+            stall: bool = False) -> dict[str, Any]:
+    """One training run: its metrics lines, exit code, load; with ``stall``, rank 0's actors stopped 10 s."""
+    tmp = tempfile.mkdtemp(prefix="d4pg-bench-")
+    out = (keep or Path(tmp)) / f"ranks{ranks}"
+    overrides = [f"output_dir={out}", f"steps={steps}", f"actors_per_rank={max(1, actors // ranks)}", *extra]
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    proc = subprocess.Popen(_command(ranks, overrides), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stall_times: tuple[float, float] | None = None
+    if stall:
+        stall_times = _stall(out, proc)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    lines = _lines(out / "metrics.jsonl")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"ranks": ranks, "actors_per_rank": max(1, actors // ranks), "steps": steps, "rc": proc.returncode,
+            "start": t0, "lines": lines, "stall": stall_times, "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
+            "tail": output[-2000:] if proc.returncode else ""}
+
+
+def _stall(out: Path, proc: subprocess.Popen) -> tuple[float, float] | None:
+    """After 20 s of training, SIGSTOPs rank 0's actors for 10 s; returns (stop time, continue time)."""
+    pids_file = out / "actors" / "rank0.pids"
+    first = None
+    while proc.poll() is None:
+        trains = [d for d in _lines(out / "metrics.jsonl") if d["event"] == "train"]
+        if trains and first is None:
+            first = time.time()
+        if first is not None and time.time() - first >= 20:
+            pids = json.loads(pids_file.read_text())
+            t_stop = time.time()
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(10)
+            t_cont = time.time()
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            return t_stop, t_cont
+        time.sleep(0.1)
+    return None
+
+
+def _rate(trains: list[dict[str, Any]], lo: float, hi: float) -> tuple[float, float] | None:
+    """(learner steps/s, mean of rank 0's sample age) over the train lines that ended in [lo, hi]."""
+    inside = [d for d in trains if lo <= d["time"] <= hi]
+    if len(inside) < 2:
+        return None
+    rate = (inside[-1]["step"] - inside[0]["step"]) / (inside[-1]["time"] - inside[0]["time"])
+    return rate, statistics.mean(d["sample_age_by_rank"][0] for d in inside[1:])
+
+
+def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
+    lines, t0 = run["lines"], run["start"]
+    trains = [d for d in lines if d["event"] == "train"]
+    evals = [d for d in lines if d["event"] == "eval"]
+    base = {"ranks": run["ranks"], "actors_per_rank": run["actors_per_rank"], "load": run["load"]}
+    if run["stall"]:  # a stall run's one-episode evaluations are no curve
+        evals = []
+    out = [{"kind": "curve", **base, "step": e["step"], "wall_sec": round(e["time"] - t0, 1),
+            "return": round(e["return"], 1)} for e in evals]
+    rates = [d["steps_per_sec"] for d in trains[1:]]
+    solved = next((e for e in evals if e["return"] >= SOLVED), None)
+    record = {"kind": "run", **base, "rc": run["rc"], "steps": trains[-1]["step"] if trains else 0,
+              "wall_sec": round((lines[-1]["time"] - t0) if lines else 0.0, 1),
+              "learner_steps_per_sec": round(statistics.median(rates), 2) if rates else None,
+              "learner_steps_per_sec_p10_p90": [round(float(x), 2) for x in _p10_p90(rates)] if rates else None,
+              "actor_env_steps_per_sec": round(statistics.median(d["actor_env_steps_per_sec"] for d in trains[1:]), 1)
+              if len(trains) > 1 else None,
+              "final_return": round(evals[-1]["return"], 1) if evals else None,
+              "solved_at": {"step": solved["step"], "wall_sec": round(solved["time"] - t0, 1)} if solved else None}
+    if run["tail"]:
+        record["tail"] = run["tail"]
+    out.append(record)
+    if run["stall"]:
+        t_stop, t_cont = run["stall"]
+        before, during = _rate(trains, t_stop - 10, t_stop), _rate(trains, t_stop, t_cont)
+        out.append({"kind": "stall", **base, "stopped_sec": round(t_cont - t_stop, 1),
+                    "steps_per_sec_before": before and round(before[0], 2),
+                    "steps_per_sec_during": during and round(during[0], 2),
+                    "ratio": round(during[0] / before[0], 3) if before and during else None,
+                    "rank0_sample_age_before": before and round(before[1], 1),
+                    "rank0_sample_age_during": during and round(during[1], 1)})
+    return out
+
+
+def _p10_p90(values: list[float]) -> tuple[float, float]:
+    import numpy as np
+
+    return float(np.percentile(values, 10)), float(np.percentile(values, 90))
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ranks in sorted({r["ranks"] for r in records if r["kind"] == "curve"}):
+        pts = [r for r in records if r["kind"] == "curve" and r["ranks"] == ranks]
+        label = f"{ranks} learner rank(s), {pts[0]['actors_per_rank']} actor(s) each"
+        axes[0].plot([p["wall_sec"] / 60 for p in pts], [p["return"] for p in pts], "o-", label=label)
+        axes[1].plot([p["step"] for p in pts], [p["return"] for p in pts], "o-", label=label)
+    for ax, xlabel in zip(axes, ("wall time (min)", "learner steps"), strict=True):
+        ax.axhline(SOLVED, color="gray", ls="--", lw=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("Pendulum-v1 return (10 fixed-seed episodes)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="learner ranks, one run each")
+    p.add_argument("--actors", type=int, default=2, help="actors in all, shared among the ranks (default 2)")
+    p.add_argument("--steps", type=int, default=6000, help="learner steps per run (default 6000)")
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--stall", action="store_true", help="2 ranks; stop rank 0's actors for 10 s after 20 s")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--keep", type=Path, default=None, help="keep each run's output folder under this one")
+    p.add_argument("--out", type=Path, default=Path("results/d4pg.jsonl"))
+    p.add_argument("--plot", type=Path, default=None, help="a PNG of return against wall time and learner steps")
+    p.add_argument("settings", nargs="*", help="extra key=value settings for examples.d4pg.train")
+    args = p.parse_args()
+    records: list[dict[str, Any]] = []
+    if args.stall:
+        # A replay of 4000 rows per rank (16 s of one actor's 250 steps/s): with its actors running, its samples'
+        # age stays level, so the stall's rise shows (the default 200,000 rows grow older all run long).
+        extra = ["steps_per_loop=25", "eval_every=0", "eval_episodes=1", "checkpoint_every=0", "replay_size=4000",
+                 *args.settings]
+        records += summarize(one_run(2, args.actors, args.steps, extra, args.timeout, args.keep, stall=True))
+    else:
+        extra = [f"eval_every={args.eval_every}", "checkpoint_every=0", *args.settings]
+        for ranks in args.ranks:
+            records += summarize(one_run(ranks, args.actors, args.steps, extra, args.timeout, args.keep))
+        runs = {r["ranks"]: r for r in records if r["kind"] == "run"}
+        if 1 in runs and 2 in runs and runs[1]["learner_steps_per_sec"] and runs[2]["learner_steps_per_sec"]:
+            s = runs[2]["learner_steps_per_sec"] / runs[1]["learner_steps_per_sec"]
+            records.append({"kind": "scaling", "steps_per_sec_2_over_1": round(s, 3),
+                            "transitions_per_sec_2_over_1": round(2 * s, 3)})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+            print(json.dumps(r))
+    if args.plot and not args.stall:
+        plot(records, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""A learner rank's actor processes: started clean, watched, restarted when one dies.
+
+Each actor is ``python -m examples.d4pg.actor SPEC`` started with ``subprocess`` (fork and exec at once: nothing
+of the learner's threads, TensorFlow or Horovod is inherited), in an environment without the launcher's job
+variables (``hvrep._env.job_free_environ``), one NumPy/BLAS thread. ``check`` (the learner calls it between
+loops) restarts an actor that exited, with a new seed, and says so; the job goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from examples.d4pg.actor import ActorSpec
+from hvrep import _env
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: `examples` must import in the actor
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class ActorPool:
+    """The actors of one learner rank.
+
+    Args:
+      specs: one per actor (its ring, its seed).
+      log_dir: each actor's output goes to ``<log_dir>/<name>-actor<i>.log`` (appended across restarts).
+      name: this rank's part of the log names.
+    """
+
+    def __init__(self, specs: list[ActorSpec], log_dir: Path, name: str) -> None:
+        self.specs, self.log_dir, self.name = list(specs), log_dir, name
+        self.procs: list[subprocess.Popen | None] = [None] * len(specs)
+        self._logs: list[IO[bytes] | None] = [None] * len(specs)
+        self.restarts = [0] * len(specs)
+
+    def _start(self, i: int) -> None:
+        spec = self.specs[i]
+        if self.restarts[i]:  # a new seed: the same seed would replay the episodes the dead actor sent
+            spec = dataclasses.replace(spec, seed=spec.seed + 100_003 * self.restarts[i])
+        pythonpath = _env.job_free_environ().get(_env.PYTHONPATH, "")
+        env = _env.job_free_environ({**_ONE_THREAD, _env.PYTHONPATH: ":".join(filter(None, [str(ROOT), pythonpath]))})
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._logs[i] is None:
+            self._logs[i] = open(self.log_dir / f"{self.name}-actor{i}.log", "ab")  # closed in close()
+        self.procs[i] = subprocess.Popen(
+            [sys.executable, "-m", "examples.d4pg.actor", json.dumps(dataclasses.asdict(spec))], env=env,
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._logs[i], stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        for i in range(len(self.specs)):
+            self._start(i)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None]
+
+    def check(self) -> list[dict[str, Any]]:
+        """Restarts every actor that exited; returns one event per restart (for metrics.jsonl)."""
+        events = []
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is None:
+                continue
+            self.restarts[i] += 1
+            self._start(i)
+            events.append({"actor": i, "exit_code": proc.returncode, "old_pid": proc.pid,
+                           "new_pid": self.procs[i].pid, "restarts": self.restarts[i],
+                           "log": str(self.log_dir / f"{self.name}-actor{i}.log")})
+        return events
+
+    def close(self) -> None:
+        """Ends every actor (a stopped one is continued first, so it can take the SIGTERM)."""
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs:
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            if log is not None:
+                log.close()
+        self._logs = [None] * len(self.specs)
