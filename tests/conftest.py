@@ -35,6 +35,7 @@ LONGEST_FIRST = (
     "tests/multirank/test_elastic.py",
     "tests/unit/docs/test_examples.py",
     "tests/unit/train/test_loop.py",
+    "tests/unit/d4pg/test_app.py",
     "tests/unit/perf/test_benchmark_optimizer_apply.py",
     "tests/unit/train/test_schedule_resume.py",
     "tests/unit/train/test_fit_loop.py",
