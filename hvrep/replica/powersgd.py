@@ -32,6 +32,7 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.errors import ConfigError
+from hvrep.replica import collectives
 from hvrep.replica.comm import CommConfig, powersgd_matrix
 
 # A column of Q whose norm is at most this fraction of Q's largest column norm (or any column when all are 0,
@@ -84,9 +85,9 @@ class PowerSGDState(tf.Module):
     """One replica's PowerSGD state for a list of variables: a ``tf.Module``, so a checkpoint holds it.
 
     Create it under ``repl.scope()`` (the wrappers do, in ``build``). On an in-graph backend every replica keeps
-    its own copy; a checkpoint saves the replicas' mean error, which continues the same reduced gradients (they
-    depend on the replicas' errors only through their mean). On horovod each rank's copy is its own: save each
-    rank's, or accept a reset. Restored at another world size than it was saved at, the state resets at the next
+    its own copy, and a checkpoint saves the replicas' mean error; on horovod each rank's copy is its own. Call
+    :meth:`average_errors` before saving so every replica holds what the checkpoint holds (then the chief's copy
+    serves every rank). Restored at another world size than it was saved at, the state resets at the next
     reduction (errors zero, Q redrawn, the step counter kept): see docs/powersgd.md.
 
     Args:
@@ -122,6 +123,20 @@ class PowerSGDState(tf.Module):
                                                          tf.VariableAggregation.MEAN))
             # Zero: redrawn (seeded by variable and step) at the first compressed step, like any degenerate Q.
             self.qs.append(_per_replica_variable(tf.zeros([cols, r]), "hvrep_powersgd_q", first))
+
+    def average_errors(self) -> None:
+        """Inside a replica step (``repl.run(state.average_errors)``), on every replica before a checkpoint: each
+        replica's error feedback becomes the replicas' mean.
+
+        The reduced gradients depend on the errors only through their mean (P and Q are means of products linear
+        in each M), so training continues the same up to float rounding, and the state is then the same on
+        every replica: the chief's copy, saved, is every rank's, and the run that saved continues bit-identically
+        to one restored from it.
+        """
+        if self.errors:
+            mean = collectives.all_reduce(list(self.errors), "mean")
+            for e, m in zip(self.errors, mean, strict=True):
+                e.assign(m)
 
     def reduce(self, grads: Sequence[Any], op: str, backend: Any) -> list[Any]:
         """Inside a replica step: ``grads`` (one per variable, None passes through) reduced across replicas.
