@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import hvrep
 from hvrep.errors import ConfigError
+from hvrep.perf import costmodel
 from hvrep.replica import powersgd
 from hvrep.replica.comm import powersgd_matrix
 from tests import fidelity
@@ -40,6 +41,16 @@ def test_two_replicas_equal_algorithm_1_in_numpy_and_send_only_the_factors(make_
         assert sim.max_error([g[replica] for g in got], want) <= 1e-5
     compressed, full = sim.factor_bytes(rank)
     assert traced == 2 * compressed < 2 * full  # both replicas' traces: P's, Q's and the exact bias, in fp32
+    assert costmodel.payload_bytes(sim.SHAPES, "powersgd", powersgd_rank=rank, powersgd_min_compression_rate=0) \
+        == compressed
+
+
+@pytest.mark.parametrize("compression,scheme", [("none", "fp32"), ("fp16", "fp16")])
+def test_the_cost_models_payload_is_what_the_backend_was_asked_to_reduce(make_repl, compression, scheme):
+    repl = make_repl(hvrep.CommConfig(compression=compression))
+    before = repl.collective_bytes
+    repl.run(lambda: hvrep.all_reduce([tf.ones(s) for s in sim.SHAPES], "mean", compress=True))
+    assert repl.collective_bytes - before == 2 * costmodel.payload_bytes(sim.SHAPES, scheme)  # 2 replicas' traces
 
 
 def test_error_feedback_state_saved_and_restored_continues_bit_identically(make_repl, tmp_path):
