@@ -149,7 +149,10 @@ class DistributedOptimizer(_Optimizer):
 
     @property
     def powersgd(self) -> PowerSGDState | None:
-        """The PowerSGD state (``CommConfig(compression="powersgd")``), built with the optimizer; else None."""
+        """The PowerSGD state (``CommConfig(compression="powersgd")``), built with the optimizer; else None.
+
+        Not part of the optimizer's checkpoint (see ``_trackable_children``): save it as
+        ``tf.train.Checkpoint(powersgd=opt.powersgd)``, or let it start afresh on a restart."""
         return self._powersgd
 
     def build(self, var_list: list[Any]) -> None:
@@ -168,12 +171,9 @@ class DistributedOptimizer(_Optimizer):
         # placeholders (everything reads the inner ones), and a model compiled with the wrapper tracks it as
         # `model.optimizer`: with them, such a model could not restore a checkpoint written without the wrapper
         # (hvrep train's custom loop, whose checkpoints its fit loop resumes).
-        # PowerSGD's state goes with it when there is one (a checkpoint without it restores it as new).
+        # PowerSGD's state (``powersgd``) is left out for the same reason: checkpoint it on its own.
         children = super()._trackable_children(save_type, **kwargs)
-        kept = {"inner_optimizer": children["inner_optimizer"]} if "inner_optimizer" in children else children
-        if getattr(self, "_powersgd", None) is not None:
-            kept["powersgd"] = self._powersgd
-        return kept
+        return {"inner_optimizer": children["inner_optimizer"]} if "inner_optimizer" in children else children
 
     def _reduce(self, grads: list[Any]) -> list[Any]:
         """The gradients averaged over the replicas (see the module docstring for the in-graph sum)."""
