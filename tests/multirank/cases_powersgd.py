@@ -1,7 +1,8 @@
 """PowerSGD on 2 horovod ranks, on every rank (see runner.py; the in-graph twins: tests/unit/replica/test_powersgd.py).
 
-Each case creates its own Replicator with a PowerSGD CommConfig and closes it. Every case runs the same
-collectives on every rank before it asserts.
+The cases share one Replicator per CommConfig (left open, as the other modules' are: closing and
+re-creating them restarts the hang watchdog). Every case runs the same collectives on every rank before it
+asserts.
 """
 
 import tempfile
@@ -15,12 +16,13 @@ from tests import fidelity, keras_fit
 from tests import powersgd_sim as sim
 
 
+_repls: dict = {}
+
+
 def _with(config, fn):
-    repl = hvrep.Replicator("horovod", config=config)
-    try:
-        return fn(repl)
-    finally:
-        repl.close()
+    if config not in _repls:
+        _repls[config] = hvrep.Replicator("horovod", config=config)
+    return fn(_repls[config])
 
 
 def _spread(repl, values) -> float:
