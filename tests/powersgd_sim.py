@@ -46,8 +46,10 @@ def _gram_schmidt(p: np.ndarray) -> np.ndarray:
     return out
 
 
-def simulate(grads, rank: int, error_feedback: bool = True, warm_start: bool = True) -> list[list[np.ndarray]]:
-    """What every worker receives at each step: out[step][variable] (float64)."""
+def simulate(grads, rank: int, error_feedback: bool = True, warm_start: bool = True,
+             start_step: int = 0) -> list[list[np.ndarray]]:
+    """What every worker receives at each step: out[step][variable] (float64); before ``start_step`` the exact
+    mean (PyTorch's start_powerSGD_iter)."""
     workers = len(grads[0])
     plans = [powersgd_matrix(s, rank, 0) for s in SHAPES]
     errors = [[None if p is None else np.zeros(p[:2]) for p in plans] for _ in range(workers)]
@@ -57,7 +59,7 @@ def simulate(grads, rank: int, error_feedback: bool = True, warm_start: bool = T
         step_out = []
         for i, p in enumerate(plans):
             gs = [np.asarray(grads[t][w][i], np.float64) for w in range(workers)]
-            if p is None:
+            if p is None or t < start_step:
                 step_out.append(np.mean(gs, axis=0))
                 continue
             rows, cols, r = p

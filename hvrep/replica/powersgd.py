@@ -166,8 +166,16 @@ class PowerSGDState(tf.Module):
         if start == 0:
             out = self._compressed(grads, op, backend, step)
         elif getattr(backend, "collectives_in_cond", False):
-            out = tf.cond(step >= start, lambda: self._compressed(grads, op, backend, step),
-                          lambda: self._exact(grads, op, backend))
+            present = [i for i, g in enumerate(grads) if g is not None]  # a branch returns tensors only
+
+            def pick(reduced: list[Any]) -> list[Any]:
+                return [reduced[i] for i in present]
+
+            reduced = tf.cond(step >= start, lambda: pick(self._compressed(grads, op, backend, step)),
+                              lambda: pick(self._exact(grads, op, backend)))
+            out = [None] * len(grads)
+            for i, r in zip(present, reduced, strict=True):
+                out[i] = r
         else:
             # In-graph strategies cannot issue collectives inside tf.cond: both are reduced until the start step
             # is reached in the graph (one trace), the state is left alone before it. Costs bytes, not fidelity.

@@ -15,7 +15,6 @@ from hvrep.replica import powersgd
 from tests import fidelity, keras_fit
 from tests import powersgd_sim as sim
 
-
 _repls: dict = {}
 
 
@@ -56,6 +55,22 @@ def case_powersgd_zero_gradient_redraws_the_same_q_on_both_ranks():
         assert sim.max_error([g[0] for g in got], sim.simulate(grads, 2)) <= 1e-5
 
     _with(sim.config(2), check)
+
+
+def case_powersgd_before_the_start_step_is_exact_and_then_algorithm_1():
+    # Horovod takes one branch of a tf.cond (exact before the start step, compressed from it on).
+    def check(repl):
+        grads = sim.gradients(2)
+        got, _, _ = sim.replicated(repl, grads)
+        for t in range(2):
+            for i in range(len(sim.SHAPES)):
+                np.testing.assert_allclose(got[t][0][i], (grads[t][0][i] + grads[t][1][i]) / 2, atol=1e-6)
+        # From step 2: Algorithm 1 started at step 2 (zero errors, Q drawn then).
+        want = sim.simulate(grads, 1, start_step=2)
+        assert sim.max_error([g[0] for g in got[2:]], want[2:]) <= 1e-5, sim.max_error([g[0] for g in got[2:]],
+                                                                                      want[2:])
+
+    _with(sim.config(1, powersgd_start_step=2), check)
 
 
 def case_powersgd_state_saved_and_restored_continues_bit_identically():

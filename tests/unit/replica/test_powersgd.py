@@ -108,6 +108,8 @@ def test_before_the_start_step_the_reduction_is_exact_and_the_state_untouched(ma
         for i in range(len(sim.SHAPES)):
             np.testing.assert_allclose(got[t][0][i], (grads[t][0][i] + grads[t][1][i]) / 2, atol=1e-6)
     assert all(float(tf.reduce_max(tf.abs(v))) == 0 for v in [*state.errors, *state.qs])
+    later, _, _ = sim.replicated(repl, grads[2:], state=state)  # from step 2: Algorithm 1 started there
+    assert sim.max_error([g[0] for g in later], sim.simulate(grads, 1, start_step=2)[2:]) <= 1e-5
 
 
 def test_wrap_optimizer_at_full_rank_equals_one_replica_with_twice_the_batch(make_repl):
