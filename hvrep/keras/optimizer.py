@@ -44,6 +44,7 @@ from keras.optimizers import LossScaleOptimizer
 from hvrep.compat import keras_versions
 from hvrep.errors import ConfigError
 from hvrep.replica import api
+from hvrep.replica.powersgd import PowerSGDState
 
 # Methods of the wrapper call the base class by name: in the loss-scaling variant the next class in the
 # MRO is LossScaleOptimizer, whose build/__init__ would scale a second time.
@@ -115,6 +116,7 @@ class DistributedOptimizer(_Optimizer):
         _Optimizer.__init__(self, learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
         self._replicator = replicator
+        self._powersgd: PowerSGDState | None = None
         self._hvrep_ready = True
 
     @property
@@ -145,9 +147,20 @@ class DistributedOptimizer(_Optimizer):
             )
         self._hvrep_loss_scale_factor = value
 
+    @property
+    def powersgd(self) -> PowerSGDState | None:
+        """The PowerSGD state (``CommConfig(compression="powersgd")``), built with the optimizer; else None.
+
+        Not part of the optimizer's checkpoint (see ``_trackable_children``): save it as
+        ``tf.train.Checkpoint(powersgd=opt.powersgd)``, or let it start afresh on a restart."""
+        return self._powersgd
+
     def build(self, var_list: list[Any]) -> None:
         self.inner_optimizer.build(var_list)
         _Optimizer.build(self, var_list)
+        repl = self._replicator
+        if repl.config.compression == "powersgd" and self._powersgd is None:
+            self._powersgd = PowerSGDState(list(var_list), repl.config, repl.num_replicas)
 
     @property
     def variables(self) -> list[Any]:
@@ -158,6 +171,7 @@ class DistributedOptimizer(_Optimizer):
         # placeholders (everything reads the inner ones), and a model compiled with the wrapper tracks it as
         # `model.optimizer`: with them, such a model could not restore a checkpoint written without the wrapper
         # (hvrep train's custom loop, whose checkpoints its fit loop resumes).
+        # PowerSGD's state (``powersgd``) is left out for the same reason: checkpoint it on its own.
         children = super()._trackable_children(save_type, **kwargs)
         return {"inner_optimizer": children["inner_optimizer"]} if "inner_optimizer" in children else children
 
@@ -180,7 +194,7 @@ class DistributedOptimizer(_Optimizer):
                 "not run it on the Replicator's devices. Fix: create and compile the model inside "
                 "`with repl.scope():`."
             )
-        return list(repl.all_reduce(list(grads), op, compress=True))
+        return list(repl.all_reduce(list(grads), op, compress=True, powersgd=self._powersgd))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         """Reduces ``grads`` across the replicas (the Replicator's fused all-reduce), then lets the wrapped

@@ -49,6 +49,7 @@ from types import MappingProxyType
 import numpy as np
 
 from hvrep.errors import ConfigError
+from hvrep.replica.comm import powersgd_matrix
 
 _GB = 1e9  # the presets are decimal GB/s, as link rates are quoted
 
@@ -254,6 +255,43 @@ def collectives_for(grad_bytes: float, tensors: int, fusion_threshold_bytes: int
     if fusion_threshold_bytes == 0:
         return tensors
     return max(1, min(tensors, math.ceil(grad_bytes / fusion_threshold_bytes)))
+
+
+# payload_bytes' schemes: the dtype gradients travel in, or PowerSGD's factors.
+PAYLOAD_SCHEMES = ("fp32", "fp16", "powersgd")
+
+
+def payload_bytes(shapes: Sequence[Sequence[int]], scheme: str = "fp32", *, powersgd_rank: int = 1,
+                  powersgd_min_compression_rate: float = 2.0) -> int:
+    """S: the bytes one rank hands the all-reduces per step for float32 gradients of ``shapes``.
+
+    "fp32": 4 per value; "fp16" (``CommConfig(compression="fp16")``): 2 per value; "powersgd": each matrix
+    PowerSGD compresses (``hvrep.replica.comm.powersgd_matrix``, the rule hvrep applies) sends its factors P
+    (rows x r) and Q (cols x r) in float32, 4*(rows+cols)*r, and everything else goes exact at 4 per value (the
+    steps before ``powersgd_start_step`` are "fp32" steps). This is what the backend is asked to reduce
+    (``Replicator.collective_bytes``), not what crosses a link: a ring moves 2(N-1)/N of it per rank
+    (:func:`ring_wire_bytes`), and Horovod's negotiation and TCP's headers come on top.
+    """
+    if scheme not in PAYLOAD_SCHEMES:
+        raise ConfigError(f"scheme must be one of {PAYLOAD_SCHEMES}, got {scheme!r}.")
+    total = 0
+    for shape in shapes:
+        values = math.prod(int(d) for d in shape)
+        if scheme == "fp16":
+            total += 2 * values
+            continue
+        plan = powersgd_matrix(tuple(shape), powersgd_rank, powersgd_min_compression_rate) \
+            if scheme == "powersgd" else None
+        total += 4 * (values if plan is None else (plan[0] + plan[1]) * plan[2])
+    return total
+
+
+def ring_wire_bytes(ranks: int, payload: float) -> float:
+    """Bytes each rank sends (and receives) in a bandwidth-optimal ring all-reduce of ``payload`` bytes:
+    2(N-1)/N of it (reduce-scatter, then all-gather); 0 on one rank."""
+    _check_int("ranks", ranks, 1)
+    _check_bytes(payload)
+    return 2 * (ranks - 1) / ranks * payload
 
 
 def allreduce_time(ranks: int, nbytes: float, link: Interconnect, collectives: int = 1,

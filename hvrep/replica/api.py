@@ -169,6 +169,13 @@ class Replicator:
         replicas this process traces (one on horovod, every replica on in-graph backends)."""
         return self._backend.collective_calls
 
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes the all-reduces created so far were asked to reduce, as they travel (fp16 buffers count 2 per
+        value): counted when a step is traced, like ``collective_calls``; the payload of one step is the
+        difference across one trace."""
+        return self._backend.reduced_bytes
+
     def close(self) -> None:
         """Releases what this Replicator holds: its compiled steps and, on horovod, its use of the hang
         watchdog (the last Replicator of the process to close stops it, and rank 0's port closes).
@@ -217,15 +224,15 @@ class Replicator:
         """
         return self._backend.reduce(value, check_op(op))
 
-    def all_reduce(self, value: Any, op: str, *, compress: bool = False) -> Any:
+    def all_reduce(self, value: Any, op: str, *, compress: bool = False, powersgd: Any = None) -> Any:
         """``hvrep.all_reduce`` for a step this Replicator does not run itself: code traced by someone else's
         compiled function (Keras' ``fit`` train step), where ``run`` is not on the stack.
 
         Call it from inside that traced step, on every replica alike, as a collective inside ``run``.
-        ``compress``: as ``hvrep.all_reduce``'s (gradients only).
+        ``compress`` and ``powersgd``: as ``hvrep.all_reduce``'s (gradients only).
         """
         with self._backend.replica_section():
-            return collectives.all_reduce(value, check_op(op), compress=compress)
+            return collectives.all_reduce(value, check_op(op), compress=compress, powersgd=powersgd)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         """Eagerly overwrites ``variables`` (tf or Keras variables, the same list in the same order on every
@@ -244,7 +251,8 @@ class Replicator:
         """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first.
 
         With ``CommConfig.accumulation_steps`` k > 1 it accumulates k micro-batches
-        locally before one all-reduce and update (horovod backend only).
+        locally before one all-reduce and update (horovod backend only). With
+        ``compression="powersgd"`` the wrapper owns the PowerSGD state (``.powersgd``).
         """
         from hvrep.replica.wrap import CrossReplicaOptimizer
 
@@ -255,7 +263,7 @@ class Replicator:
                 "sit inside the conditional update of a tf.distribute replica context. Fix: accumulation_steps=1, "
                 "or a k-times larger per-replica batch."
             )
-        return CrossReplicaOptimizer(optimizer, k)
+        return CrossReplicaOptimizer(optimizer, k, self.config, self.num_replicas)
 
 
 def latest() -> Replicator:

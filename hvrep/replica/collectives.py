@@ -6,10 +6,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from hvrep.errors import ConfigError
 from hvrep.replica.context import check_op, live_backend
 
 
-def all_reduce(value: Any, op: str, *, compress: bool = False) -> Any:
+def all_reduce(value: Any, op: str, *, compress: bool = False, powersgd: Any = None) -> Any:
     """Reduces a nest of tensors across replicas; every replica gets the result.
 
     Args:
@@ -24,13 +25,34 @@ def all_reduce(value: Any, op: str, *, compress: bool = False) -> Any:
         (default): every value travels in its own dtype, whatever the config:
         statistics, counts and metrics must not be rounded to fp16, whose
         largest value is 65,504 (a batch norm's count of 64x32x32 = 65,536
-        positions would become inf).
+        positions would become inf). With ``compression="powersgd"``,
+        ``compress=True`` needs ``powersgd``.
+      powersgd: with ``CommConfig(compression="powersgd")`` and ``compress``:
+        the ``hvrep.replica.powersgd.PowerSGDState`` built for the variables
+        whose gradients ``value`` holds (a flat list in their order; op "sum"
+        or "mean"); it holds each replica's error feedback and Q's.
+        ``wrap_optimizer`` and ``hvrep.keras.DistributedOptimizer`` build and
+        pass their own. Ignored otherwise.
 
     Floating-point sum/mean go through fused buffers (``CommConfig``'s fusion
     threshold); other cases issue one collective per tensor.
+
+    Raises:
+      hvrep.errors.ConfigError: ``compress`` under PowerSGD without ``powersgd``, or with an op other than
+        "sum"/"mean".
     """
     backend = live_backend()
     check_op(op)
+    if compress and backend.config.compression == "powersgd":
+        if powersgd is None:
+            raise ConfigError(
+                "all_reduce(..., compress=True) under CommConfig(compression='powersgd') needs the PowerSGD state "
+                "of the variables the gradients belong to. Fix: use repl.wrap_optimizer(opt) or "
+                "hvrep.keras.DistributedOptimizer, or pass powersgd=hvrep.replica.powersgd.PowerSGDState("
+                "variables, repl.config, repl.num_replicas) built under repl.scope().")
+        if op not in ("sum", "mean"):
+            raise ConfigError(f"PowerSGD reduces gradients by 'sum' or 'mean', got op={op!r}. Fix: compress=False.")
+        return powersgd.reduce(list(value), op, backend)
     flat = tf.nest.flatten(value)
     idx = [i for i, v in enumerate(flat) if v is not None]
     reduced = backend.all_reduce([tf.convert_to_tensor(flat[i]) for i in idx], op, compress=compress)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hvrep.errors import ConfigError
 
-COMPRESSIONS = ("none", "fp16", "bf16")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,29 @@ class CommConfig:
         statistics, counts, metrics or other values (fp16's largest value is
         65,504). fp16 halves the bytes on every backend. bf16 keeps
         fp32's range; Horovod cannot reduce bfloat16, so the horovod backend
-        refuses it (see docs/replica-api.md, "Backends").
+        refuses it (see docs/replica-api.md, "Backends"). "powersgd": rank-r
+        compression of the gradient matrices with error feedback (Vogels et
+        al. 2019; the ``powersgd_*`` fields, ``hvrep.replica.powersgd``,
+        docs/powersgd.md); it needs the variables the gradients belong to, so
+        it applies where a reduction passes them (``wrap_optimizer``,
+        ``hvrep.keras.DistributedOptimizer``, ``all_reduce(...,
+        powersgd=state)``). Other tensors travel uncompressed in fp32.
+      powersgd_rank: r, the rank a gradient matrix is compressed to
+        (min(r, rows, cols)). 1 to 4 is the paper's range for image models.
+      powersgd_start_step: reductions before this step (counted per
+        compressed reducer, from 0) are exact all-reduces, as PyTorch DDP's
+        ``start_powerSGD_iter``: the first steps of training move the weights
+        most and compress worst.
+      powersgd_error_feedback: each replica adds what compression lost in the
+        last step to the next step's gradient (the paper's error feedback;
+        without it PowerSGD converges to a worse model).
+      powersgd_warm_start: reuse last step's Q as the next power iteration's
+        start (one iteration per step then tracks the gradients' top
+        subspace); False: a fresh random Q each step.
+      powersgd_min_compression_rate: a matrix is compressed only when
+        rows*cols > rate * (rows+cols)*r (PyTorch's rule, default 2 as
+        PyTorch's); others, vectors and scalars go exact through the fused
+        buckets. 0: every matrix is compressed.
       num_groups: 0 to bucket by ``fusion_threshold_bytes``; N > 0 to split
         the tensors into N groups of about equal bytes instead (Horovod's
         ``num_groups``).
@@ -98,6 +120,12 @@ class CommConfig:
     cycle_time_ms: float | None = None
     mpi_yield_when_idle: bool | None = True
     compression: str = "none"
+    # PowerSGD (compression="powersgd"); PyTorch's PowerSGDState defaults except the rank and start step.
+    powersgd_rank: int = 1
+    powersgd_start_step: int = 0  # exact all-reduce before this step
+    powersgd_error_feedback: bool = True
+    powersgd_warm_start: bool = True
+    powersgd_min_compression_rate: float = 2.0  # 0: compress every matrix
     num_groups: int = 0
     accumulation_steps: int = 1
     check_first_step: bool = True
@@ -120,6 +148,7 @@ class CommConfig:
             raise ConfigError(f"mpi_yield_when_idle must be True, False or None (hvrep sets nothing), got {y!r}.")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
+        self._check_powersgd()
         if not isinstance(self.num_groups, int) or self.num_groups < 0:
             raise ConfigError(f"num_groups must be an int >= 0, got {self.num_groups!r}.")
         t = self.timeout_s
@@ -130,3 +159,44 @@ class CommConfig:
                               "or 0 to never time out.")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}.")
+
+    def _check_powersgd(self) -> None:
+        r = self.powersgd_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ConfigError(f"powersgd_rank must be an int >= 1, got {r!r}. Fix: e.g. powersgd_rank=1 (the "
+                              "rank each gradient matrix is compressed to).")
+        s = self.powersgd_start_step
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ConfigError(f"powersgd_start_step must be an int >= 0, got {s!r}. Fix: 0 compresses from the "
+                              "first step; k reduces the first k steps exactly.")
+        for name in ("powersgd_error_feedback", "powersgd_warm_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        m = self.powersgd_min_compression_rate
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
+            raise ConfigError(f"powersgd_min_compression_rate must be a number >= 0, got {m!r}. Fix: 2 (PyTorch's "
+                              "default) or 0 to compress every matrix.")
+
+
+def powersgd_matrix(shape: tuple[int, ...] | list[int], rank: int, min_compression_rate: float
+                    ) -> tuple[int, int, int] | None:
+    """How PowerSGD sends a gradient of ``shape``: ``(rows, cols, r)`` when compressed, None when exact.
+
+    A tensor of rank >= 2 is the matrix [prod(shape[:-1]), shape[-1]]: a Keras
+    kernel keeps its output units last (Dense [in, out], Conv2D [kh, kw, in,
+    out]), so this is the matrix PyTorch's ``[shape[0], -1]`` of its [out, in,
+    kh, kw] kernels forms, transposed, and compresses alike. r = min(rank,
+    rows, cols). Compressed when ``rows*cols > min_compression_rate *
+    (rows+cols)*r`` (PyTorch's ``_should_compress``); vectors and scalars never.
+    Pure Python: the cost model uses it without TensorFlow.
+    """
+    if len(shape) < 2:
+        return None
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    cols = int(shape[-1])
+    r = min(rank, rows, cols)
+    if r < 1 or not rows * cols > min_compression_rate * (rows + cols) * r:
+        return None
+    return rows, cols, r

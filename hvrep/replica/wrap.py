@@ -8,6 +8,8 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.replica import collectives
+from hvrep.replica.comm import CommConfig
+from hvrep.replica.powersgd import PowerSGDState
 
 
 class AccumulationState(tf.Module):
@@ -40,25 +42,41 @@ class CrossReplicaOptimizer:
     :meth:`build` or the first call. Everything else (``learning_rate``,
     ``iterations``, ``variables``) is the wrapped optimizer's, reachable
     through ``.inner``.
+
+    With ``CommConfig(compression="powersgd")`` the all-reduce is PowerSGD's,
+    its state (:attr:`powersgd`, a ``tf.Module`` to checkpoint) built by
+    :meth:`build` or the first call for the variables of that call.
     """
 
-    def __init__(self, optimizer: Any, accumulation_steps: int = 1) -> None:
+    def __init__(self, optimizer: Any, accumulation_steps: int = 1, config: CommConfig | None = None,
+                 num_replicas: int = 1) -> None:
         self.inner = optimizer
         self.accumulation_steps = accumulation_steps
         self.accumulation: AccumulationState | None = None
+        self._config = config or CommConfig()
+        self._num_replicas = num_replicas
+        self.powersgd: PowerSGDState | None = None
 
     def build(self, variables: list[Any]) -> None:
-        """Builds the wrapped optimizer and, with k > 1, the accumulation state (before restoring a checkpoint)."""
+        """Builds the wrapped optimizer and, with k > 1, the accumulation state, and PowerSGD's state (before
+        restoring a checkpoint; under ``repl.scope()`` on an in-graph backend)."""
         if not self.inner.built:
             self.inner.build(variables)
         if self.accumulation_steps > 1 and self.accumulation is None:
             self.accumulation = AccumulationState(list(variables))
+        if self._config.compression == "powersgd" and self.powersgd is None:
+            self.powersgd = PowerSGDState(list(variables), self._config, self._num_replicas)
+
+    def _reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        if self._config.compression == "powersgd":
+            self.build(variables)
+        return collectives.all_reduce(grads, "mean", compress=True, powersgd=self.powersgd)
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         if self.accumulation_steps == 1:
-            grads = collectives.all_reduce(grads, "mean", compress=True)
+            grads = self._reduce(grads, variables)
             return self.inner.apply_gradients(zip(grads, variables, strict=True), **kwargs)
         return self._accumulate(grads, variables, **kwargs)
 
@@ -70,7 +88,9 @@ class CrossReplicaOptimizer:
         replica, one copy of which a checkpoint can hold, valid at any world size.
         """
         if self.accumulation is not None:
-            mean = collectives.all_reduce(list(self.accumulation.accumulators), "mean", compress=True)
+            # Exact under PowerSGD: its state belongs to the update's reduction.
+            mean = collectives.all_reduce(list(self.accumulation.accumulators), "mean",
+                                          compress=self._config.compression != "powersgd")
             for acc, m in zip(self.accumulation.accumulators, mean, strict=True):
                 acc.assign(m)
 
@@ -88,7 +108,7 @@ class CrossReplicaOptimizer:
 
         def update() -> tf.Tensor:
             # Every replica reaches the same micro-step, so all take this branch together.
-            mean = collectives.all_reduce([acc / k for acc in state.accumulators], "mean", compress=True)
+            mean = self._reduce([acc / k for acc in state.accumulators], variables)
             self.inner.apply_gradients(zip(mean, variables, strict=True), **kwargs)
             for acc in state.accumulators:
                 acc.assign(tf.zeros_like(acc))

@@ -30,7 +30,8 @@ class Runner:
 
     With ``CommConfig.accumulation_steps`` k > 1 (horovod backend) the update
     goes through ``repl.wrap_optimizer``: k micro-batches per update, built
-    here so that a checkpoint restored afterwards finds the accumulators.
+    here so that a checkpoint restored afterwards finds the accumulators; with
+    ``comm.compression=powersgd`` too (the wrapper owns PowerSGD's state).
     """
 
     def __init__(self, repl: hvrep.Replicator, model: keras.Model, optimizer: Any, *, num_classes: int,
@@ -39,7 +40,9 @@ class Runner:
         self.model = model
         self.optimizer = optimizer
         self._applier = None
-        if repl.config.accumulation_steps > 1:
+        # PowerSGD's state is keyed by the variables: the wrapper owns it (not checkpointed by hvrep train yet: a
+        # restart starts it afresh, docs/powersgd.md).
+        if repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd":
             self._applier = repl.wrap_optimizer(optimizer)
             with repl.scope():
                 self._applier.build(model.trainable_variables)

@@ -27,7 +27,8 @@ from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
 
 # CommConfig.compression -> the dtype fused buffers travel in (None: each tensor's own).
-WIRE_DTYPES: dict[str, tf.DType | None] = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
+# PowerSGD's factors and exact tensors travel in their own dtype (hvrep.replica.powersgd).
+WIRE_DTYPES: dict[str, tf.DType | None] = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16, "powersgd": None}
 
 
 def mean_from_sum(total: Any, n: int, integer: bool) -> Any:
@@ -131,13 +132,18 @@ class Backend(abc.ABC):
     name: str = ""
     # hvrep's bucket size when CommConfig.fusion_threshold_bytes is None (see CommConfig).
     default_fusion_threshold_bytes: int = 128 * 1024 * 1024
+    # Whether a collective may sit inside tf.cond (every rank takes the same branch): Horovod's ops can; an
+    # in-graph strategy's replica-context all-reduce (a merge_call) cannot.
+    collectives_in_cond: bool = False
 
     def __init__(self, config: CommConfig, devices_per_replica: int = 1) -> None:
         self.config = config
         # Devices each replica owns (Replicator(devices_per_replica=...)).
         self.devices_per_replica = devices_per_replica
-        # Collectives issued, for tests and reports (counted when traced).
+        # Collectives issued, and the bytes all-reduces were asked to reduce, for tests and reports (counted
+        # when traced: per traced step, not per execution).
         self.collective_calls = 0
+        self.reduced_bytes = 0
         # How Keras' BatchNormalization layers train in a step ``run`` traces: "fused" or "keras"
         # (the Replicator sets it; see Replicator's batch_norm).
         self.batch_norm = "fused"
@@ -212,7 +218,7 @@ class Backend(abc.ABC):
         if floats:
             def reduce_buffer(buf: tf.Tensor) -> tf.Tensor:
                 self.collective_calls += 1
-                return reduce_bf16_as_f32(buf, "sum", n, lambda w: self._reduce_wire(w, "sum"))
+                return reduce_bf16_as_f32(buf, "sum", n, lambda w: self._counted_wire(w, "sum"))
 
             reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
                                           self.fusion_threshold_bytes, self.config.num_groups,
@@ -234,7 +240,13 @@ class Backend(abc.ABC):
     def _reduce_tensor(self, t: tf.Tensor, op: str) -> tf.Tensor:
         """One tensor reduced on its own (not floating point, or max/min): one collective."""
         self.collective_calls += 1
-        return reduce_bf16_as_f32(t, op, self.num_replicas, lambda w: self._reduce_wire(w, op))
+        return reduce_bf16_as_f32(t, op, self.num_replicas, lambda w: self._counted_wire(w, op))
+
+    def _counted_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        """``_reduce_wire``, its bytes (as they travel) added to ``reduced_bytes`` (unknown shapes count 0)."""
+        n = t.shape.num_elements()
+        self.reduced_bytes += 0 if n is None else int(n) * t.dtype.size
+        return self._reduce_wire(t, op)
 
     @abc.abstractmethod
     def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:

@@ -246,6 +246,7 @@ def _check_world_size(horovod_size: int) -> None:
 
 class HorovodBackend(Backend):
     name = "horovod"
+    collectives_in_cond = True  # Horovod's ops are graph ops like any other; every rank takes the same branch
     # 25 MiB (PyTorch DDP's default bucket): a bucket's all-reduce is an asynchronous Horovod op that starts
     # as soon as its gradients exist, so smaller buckets overlap the rest of the backward pass, where one
     # 128 MiB bucket waits for all 102 MB of ResNet-50's. Measured with benchmarks/vs_horovod.py, ResNet-50

@@ -162,3 +162,16 @@ def test_interconnect_validation_and_presets():
     with pytest.raises(ConfigError, match="overlap"):
         costmodel.predict(8, 0.03, S, LINK, 1, overlap=1.5)
     assert math.isclose(LINK.bus_bandwidth_Bps, 1e10) and math.isclose(LINK.latency_s, 5e-6)
+
+
+def test_payload_bytes_per_scheme():
+    shapes = [(3, 3, 64, 128), (128,)]  # a conv kernel ([576, 128]) and its bias
+    assert costmodel.payload_bytes(shapes) == 4 * (73728 + 128)
+    assert costmodel.payload_bytes(shapes, "fp16") == 2 * (73728 + 128)
+    assert costmodel.payload_bytes(shapes, "powersgd", powersgd_rank=4) == 4 * ((576 + 128) * 4 + 128)
+    # PyTorch's rule: a matrix that would not shrink by the minimum rate goes exact.
+    assert costmodel.payload_bytes([(4, 4)], "powersgd", powersgd_rank=1) == 4 * 16
+    assert costmodel.payload_bytes([(4, 4)], "powersgd", powersgd_rank=1, powersgd_min_compression_rate=0) == 4 * 8
+    assert costmodel.ring_wire_bytes(2, 1000) == 1000 and costmodel.ring_wire_bytes(1, 1000) == 0
+    with pytest.raises(ConfigError, match="scheme"):
+        costmodel.payload_bytes(shapes, "int8")

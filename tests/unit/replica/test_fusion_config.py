@@ -71,7 +71,7 @@ def test_fused_reduce_casts_to_the_wire_dtype_and_prescales():
     ("fusion_threshold_bytes", -1, "fusion_threshold_bytes must be None (the backend's choice) or an int >= 0, got -1"),
     ("cycle_time_ms", 0, "cycle_time_ms must be None or > 0, got 0"),
     ("horovod_fusion_threshold_bytes", -5, "horovod_fusion_threshold_bytes must be None or an int >= 0, got -5"),
-    ("compression", "int8", "compression must be one of ('none', 'fp16', 'bf16'), got 'int8'"),
+    ("compression", "int8", "compression must be one of ('none', 'fp16', 'bf16', 'powersgd'), got 'int8'"),
     ("num_groups", -2, "num_groups must be an int >= 0, got -2"),
     ("mpi_yield_when_idle", "yes", "mpi_yield_when_idle must be True, False or None (hvrep sets nothing), got 'yes'"),
     ("mpi_yield_when_idle", 1, "mpi_yield_when_idle must be True, False or None (hvrep sets nothing), got 1"),
