@@ -27,6 +27,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # far; a file that grows long belongs here.
 LONGEST_FIRST = (
     "tests/multirank/test_multirank.py",
+    "tests/multirank/test_multirank_apps.py",
     "tests/unit/perf/test_benchmark_vs_horovod.py",
     "tests/slurm/test_slurm_multinode.py",
     "tests/slurm/test_slurm.py",

@@ -20,9 +20,18 @@ NP = 2
 LAUNCHERS = ("mpirun", "horovodrun")
 
 
-def case_modules() -> list[Path]:
-    """The case files every launcher runs: tests/multirank/cases_*.py."""
-    return sorted(HERE.glob("cases_*.py"))
+# The case files of the communication schemes and apps, launched apart from the rest (test_multirank_apps.py): one
+# launch of every case file ran past its time limit, and two files run on two of make test's workers at once.
+APP_CASES = ("cases_d4pg.py", "cases_localsgd.py", "cases_powersgd.py")
+
+
+def case_modules(group: str | None = None) -> list[Path]:
+    """The case files every launcher runs: tests/multirank/cases_*.py; ``group`` "apps" (``APP_CASES``), "core"
+    (the rest) or None (all)."""
+    paths = sorted(HERE.glob("cases_*.py"))
+    if group is None:
+        return paths
+    return [p for p in paths if (p.name in APP_CASES) == (group == "apps")]
 
 
 def case_names(path: Path) -> list[str]:
