@@ -42,10 +42,13 @@ class CrossReplicaOptimizer:
     through ``.inner``.
     """
 
-    def __init__(self, optimizer: Any, accumulation_steps: int = 1) -> None:
+    def __init__(self, optimizer: Any, accumulation_steps: int = 1, local_sgd: Any = None) -> None:
         self.inner = optimizer
         self.accumulation_steps = accumulation_steps
         self.accumulation: AccumulationState | None = None
+        # A hvrep.replica.localsgd.LocalSGD with CommConfig.local_steps: no gradient all-reduce, the model is
+        # averaged every H updates instead.
+        self.local_sgd = local_sgd
 
     def build(self, variables: list[Any]) -> None:
         """Builds the wrapped optimizer and, with k > 1, the accumulation state (before restoring a checkpoint)."""
@@ -57,6 +60,8 @@ class CrossReplicaOptimizer:
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if self.local_sgd is not None:
+            return apply_locally(self.inner, self.local_sgd, grads, variables, **kwargs)
         if self.accumulation_steps == 1:
             grads = collectives.all_reduce(grads, "mean", compress=True)
             return self.inner.apply_gradients(zip(grads, variables, strict=True), **kwargs)
@@ -98,3 +103,16 @@ class CrossReplicaOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def apply_locally(optimizer: Any, local_sgd: Any, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:
+    """Local SGD's update, inside a replica step: ``optimizer`` applies this replica's own ``grads`` to its copy of
+    ``variables``; every H-th call the models are synchronised (``hvrep.replica.localsgd``)."""
+    local_sgd.begin_update()
+    present = [i for i, g in enumerate(grads) if g is not None]
+    kept = local_sgd.keep_local([grads[i] for i in present])
+    local = list(grads)
+    for i, g in zip(present, kept, strict=True):
+        local[i] = g
+    optimizer.apply_gradients(zip(local, variables, strict=True), **kwargs)
+    return local_sgd.end_update()
