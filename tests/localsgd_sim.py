@@ -133,3 +133,47 @@ def replicated(repl: hvrep.Replicator, *, bn: bool, steps: int = K, init_seed: i
 def max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     assert len(a) == len(b)
     return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b, strict=True))
+
+
+def fit(repl: hvrep.Replicator, *, bn: bool, steps: int = K, parts: bool = False) -> list:
+    """The same training through Keras' ``fit`` and ``hvrep.keras.DistributedOptimizer(opt, repl, model=model)``:
+    one epoch of ``steps`` global batches, no shuffle; returns as :func:`replicated`."""
+    import hvrep.keras
+
+    n = repl.num_replicas
+    x, y = data(n, steps)
+    with repl.scope():
+        model = make_model(bn)
+        model.compile(optimizer=hvrep.keras.DistributedOptimizer(make_optimizer(), repl, model=model),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    xs, ys = hvrep.keras.shard_arrays((x, y), repl, B)
+    model.fit(xs, ys, batch_size=hvrep.keras.process_batch_size(repl, B), epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvrep.keras.callbacks.BroadcastGlobalVariablesCallback(repl)])
+    if not parts:
+        return [np.asarray(v.numpy()) for v in model.weights]
+    strategy = getattr(repl._backend, "strategy", None)
+    return [[np.asarray(p.numpy()) for p in (strategy.experimental_local_results(v.value) if strategy else (v,))]
+            for v in model.weights]
+
+
+def resume_is_exact(repl: hvrep.Replicator, folder: str, *, first: int = 6, then: int = 4) -> float:
+    """Trains ``first`` steps (with H = 4: mid-round), averages the replicas' state for a checkpoint, saves it
+    (the chief), goes on ``then`` steps; then a new model and optimizer restored from the checkpoint train the
+    same ``then`` steps. Returns the largest difference between the two runs' copies (0.0: bit-identical)."""
+    sim_model_bn = True
+    replicated(repl, bn=sim_model_bn, steps=first)
+    model, opt = replicated.last
+    mid = opt.local_sgd.mid_round
+    repl.run(lambda: opt.average_local_state(model=mid))
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt.inner, local_sgd=opt.local_sgd.state)
+    path = ckpt.write(f"{folder}/ckpt") if repl.is_chief else None
+    path = repl.broadcast_object(path)
+    went_on = replicated(repl, bn=sim_model_bn, steps=then, start=first, parts=True, built=(model, opt))
+    with repl.scope():
+        model2 = make_model(sim_model_bn, SEED + 1)  # other initial weights: all must come from the checkpoint
+        opt2 = repl.wrap_optimizer(make_optimizer(), model=model2)
+        opt2.inner.build(model2.trainable_variables)
+    tf.train.Checkpoint(model=model2, optimizer=opt2.inner, local_sgd=opt2.local_sgd.state).read(path).assert_consumed()
+    resumed = replicated(repl, bn=sim_model_bn, steps=then, start=first, parts=True, built=(model2, opt2))
+    return max(max(float(np.max(np.abs(a - b))) for a, b in zip(u, v, strict=True))
+               for u, v in zip(went_on, resumed, strict=True))

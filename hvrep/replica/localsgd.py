@@ -56,6 +56,12 @@ class LocalSGDState(tf.Module):
                         for v in trainable] if outer else []
 
 
+def optimizer_state(optimizer: Any) -> list[Any]:
+    """The optimizer state a checkpoint averages: its floating-point variables of rank >= 1 (momentum, Adam's
+    moments: one per model variable); scalars (step counter, learning rate, loss scale) are left alone."""
+    return [v for v in optimizer.variables if tf.as_dtype(v.dtype).is_floating and len(v.shape) >= 1]
+
+
 class LocalSGD:
     """Counts a replica's local updates and, every ``config.local_steps``, synchronises the model.
 
@@ -150,10 +156,16 @@ class LocalSGD:
         return out
 
     # horovod: this process is one replica.
-    @staticmethod
-    def _all_reduce_mean(variables: list[Any]) -> list[Any]:
-        # Uncompressed: a model rounded to fp16 would lose its small updates.
-        return collectives.all_reduce([tf.convert_to_tensor(v) for v in variables], "mean", compress=False)
+    def _all_reduce_mean(self, variables: list[Any]) -> list[Any]:
+        # Uncompressed: a model rounded to fp16 would lose its small updates. The backend is made the live one
+        # here: Keras' fit calls the optimizer outside `run`.
+        with self.backend.replica_section():
+            return collectives.all_reduce([tf.convert_to_tensor(v) for v in variables], "mean", compress=False)
+
+    @property
+    def mid_round(self) -> bool:
+        """Eager, on the host: True when the replicas' models have diverged since the last synchronisation."""
+        return bool(int(self.state.step.numpy()) % self.every)
 
     @staticmethod
     def _assign(v: Any, x: Any) -> None:

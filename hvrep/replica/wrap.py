@@ -79,6 +79,16 @@ class CrossReplicaOptimizer:
             for acc, m in zip(self.accumulation.accumulators, mean, strict=True):
                 acc.assign(m)
 
+    def average_local_state(self, model: bool = True) -> None:
+        """Local SGD, inside a replica step, before a checkpoint: the model (``model``: True when the replicas
+        diverged since the last synchronisation, ``local_sgd.mid_round``) and the optimizer's per-replica state
+        (momentum) become their mean over the replicas, so one copy, the chief's, holds the run. The run that
+        saves continues from the mean too, so it and a run resumed from the checkpoint stay identical."""
+        from hvrep.replica.localsgd import optimizer_state
+
+        if self.local_sgd is not None:
+            self.local_sgd.average_now(optimizer_state(self.inner), model=model)
+
     def _accumulate(self, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:
         k = self.accumulation_steps
         # Created on the first (traced) call if build() was not called, like Keras' own slots; the

@@ -72,3 +72,17 @@ def test_invalid_settings_name_the_value_and_the_fix(comm, match):
     with pytest.raises(ConfigError, match=match) as e:
         hvrep.CommConfig(**comm)
     assert "Fix:" in str(e.value)
+
+
+def test_keras_fit_with_distributed_optimizer_equals_the_simulation():
+    repl = _repl(local_steps=4)
+    parts = sim.fit(repl, bn=True, parts=True)
+    repl.close()
+    assert _every_copy_equals(parts, sim.simulate(2, 4, bn=True)) <= 1e-5
+
+
+def test_a_checkpoint_saved_mid_round_resumes_bit_identically(tmp_path):
+    # The outer optimizer's anchors and momenta, the model and each replica's momentum all go through it.
+    repl = _repl(local_steps=4, outer_optimizer="nesterov")
+    assert sim.resume_is_exact(repl, str(tmp_path)) == 0.0
+    repl.close()
