@@ -162,3 +162,15 @@ def test_interconnect_validation_and_presets():
     with pytest.raises(ConfigError, match="overlap"):
         costmodel.predict(8, 0.03, S, LINK, 1, overlap=1.5)
     assert math.isclose(LINK.bus_bandwidth_Bps, 1e10) and math.isclose(LINK.latency_s, 5e-6)
+
+
+def test_local_sgd_bytes_per_step_are_the_model_and_its_statistics_over_h():
+    from hvrep.perf.costmodel import local_sgd_bytes_per_step
+
+    # ResNet-50: 25.6 M fp32 weights (102.2 MB); its batch norms' moving statistics: 53,120 values (212 kB).
+    weights, stats = 102_228_128, 212_480
+    assert local_sgd_bytes_per_step(weights, None, stats) == weights  # synchronous: the gradients only
+    assert local_sgd_bytes_per_step(weights, 1, stats) == weights + stats
+    assert local_sgd_bytes_per_step(weights, 16, stats) == pytest.approx((weights + stats) / 16)
+    with pytest.raises(ConfigError, match="local_steps must be an int >= 1, got 0"):
+        local_sgd_bytes_per_step(weights, 0)
