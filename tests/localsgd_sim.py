@@ -110,7 +110,8 @@ def replicated(repl: hvrep.Replicator, *, bn: bool, steps: int = K, init_seed: i
 
     def input_fn(ctx: hvrep.InputContext) -> tf.data.Dataset:
         b, r = ctx.per_replica_batch_size, ctx.replica_id
-        idx = np.concatenate([np.arange(k * n * b + r * b, k * n * b + (r + 1) * b) for k in range(start, start + steps)])
+        idx = np.concatenate([np.arange(k * n * b + r * b, k * n * b + (r + 1) * b)
+                              for k in range(start, start + steps)])
         return tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).batch(b)
 
     def step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:

@@ -75,7 +75,8 @@ def _check_loss_scale_reliance(optimizer: Any) -> None:
 
 
 class _InnerApply:
-    """The wrapped optimizer as ``apply_locally`` calls it: its ``apply`` (what ``fit`` calls), not ``apply_gradients``."""
+    """The wrapped optimizer as ``apply_locally`` calls it: its ``apply`` (what ``fit`` calls), not
+    ``apply_gradients``."""
 
     def __init__(self, optimizer: Any) -> None:
         self._optimizer = optimizer

@@ -104,8 +104,8 @@ class LocalSGD:
 
     def end_update(self) -> tf.Tensor:
         """After a replica's local update: counts it; every H-th, synchronises. Returns whether it did."""
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context() is False:
-            return tf.distribute.get_replica_context().merge_call(lambda strategy: self._cross_replica(strategy))
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            return tf.distribute.get_replica_context().merge_call(self._cross_replica)
         step = self.state.step.assign_add(1)
         return tf.cond(tf.equal(step % self.every, 0), lambda: self._sync(self._all_reduce_mean, self._assign),
                        lambda: tf.constant(False))
@@ -116,7 +116,7 @@ class LocalSGD:
         variables = (self.trainable + self.extra if model else []) + list(also)
         if not variables:
             return
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context() is False:
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
 
             def merged(strategy: Any) -> None:
                 for v in variables:

@@ -13,7 +13,6 @@ import hvrep
 from tests import localsgd_sim as sim
 
 
-
 def _same_everywhere(repl, got: list) -> float:
     """Max difference between this rank's weights and every other rank's (the same number on every rank)."""
     flat = np.concatenate([np.ravel(w) for w in got]).astype(np.float64)
