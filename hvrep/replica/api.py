@@ -250,9 +250,9 @@ class Replicator:
         gradients to its own copy of the model and averages the models every H-th
         update (docs/local-sgd.md); ``model`` (a built Keras model, required then)
         names the state averaged with the weights: its floating-point
-        non-trainable variables (batch-norm statistics). Call it inside
-        ``scope()``, after the model is built; ``apply_gradients`` must then
-        receive the model's trainable variables, in their order.
+        non-trainable variables (batch-norm statistics). Call it after the
+        model is built; ``apply_gradients`` must then receive the model's
+        trainable variables, in their order, once per step.
 
         Raises:
           hvrep.errors.ConfigError: accumulation off the horovod backend; local SGD without a built ``model``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import hvrep
@@ -31,8 +32,8 @@ def test_h4_equals_two_simulated_workers_averaged_every_4_steps_batch_norm_stati
     repl.close()
     want = sim.simulate(2, 4, bn=True)
     assert _every_copy_equals(parts, want) <= 1e-5
-    # The moving statistics moved, and differently on each replica before the last sync.
-    assert sim.max_difference(want, sim.simulate(2, 8, bn=True)) > 1e-3
+    moving_mean = want[4]  # conv kernel, bias, gamma, beta, moving mean, ...: the statistics moved from 0
+    assert moving_mean.shape == (4,) and np.abs(moving_mean).max() > 1e-2
 
 
 def test_diloco_outer_nesterov_step_equals_the_simulation():
