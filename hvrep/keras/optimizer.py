@@ -45,6 +45,7 @@ from hvrep.compat import keras_versions
 from hvrep.errors import ConfigError
 from hvrep.replica import api
 from hvrep.replica.powersgd import PowerSGDState
+from hvrep.replica.wrap import apply_locally
 
 # Methods of the wrapper call the base class by name: in the loss-scaling variant the next class in the
 # MRO is LossScaleOptimizer, whose build/__init__ would scale a second time.
@@ -74,6 +75,18 @@ def _check_loss_scale_reliance(optimizer: Any) -> None:
             "policy before creating it), or install a verified Keras (requirements.txt pins it).")
 
 
+class _InnerApply:
+    """The wrapped optimizer as ``apply_locally`` calls it: its ``apply`` (what ``fit`` calls), not
+    ``apply_gradients``."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+
+    def apply_gradients(self, grads_and_vars: Any) -> None:
+        grads, variables = zip(*grads_and_vars, strict=True)
+        self._optimizer.apply(list(grads), list(variables))
+
+
 @keras.saving.register_keras_serializable(package="hvrep")
 class DistributedOptimizer(_Optimizer):
     """Wraps a Keras optimizer so ``apply_gradients`` averages the gradients over the replicas first.
@@ -89,10 +102,13 @@ class DistributedOptimizer(_Optimizer):
         ``LossScaleOptimizer`` is wrapped in one (see the module docstring).
       replicator: the ``hvrep.Replicator`` whose collectives reduce the gradients.
       name: defaults to ``distributed_<inner name>``.
+      model: the built model, required with ``CommConfig.local_steps`` (local SGD): each replica
+        applies its own gradients to its own copy and every H-th update the copies, batch-norm
+        statistics included, are averaged (docs/local-sgd.md). Ignored otherwise.
 
     Raises:
       hvrep.errors.ConfigError: ``optimizer`` is not a Keras optimizer, is already distributed, or
-        ``replicator`` is not a Replicator.
+        ``replicator`` is not a Replicator; local SGD without a built ``model``.
     """
 
     def __new__(cls, optimizer: Any = None, replicator: Any = None, name: str | None = None, **kwargs: Any) -> Any:
@@ -100,7 +116,7 @@ class DistributedOptimizer(_Optimizer):
             return super().__new__(DistributedLossScaleOptimizer)
         return super().__new__(cls)
 
-    def __init__(self, optimizer: Any, replicator: Any, name: str | None = None) -> None:
+    def __init__(self, optimizer: Any, replicator: Any, name: str | None = None, *, model: Any = None) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise ConfigError(f"optimizer {optimizer.name!r} is already an hvrep.keras.DistributedOptimizer; "
                               "wrapping it twice would reduce the gradients twice. Fix: pass the inner optimizer.")
@@ -117,12 +133,18 @@ class DistributedOptimizer(_Optimizer):
         self.inner_optimizer = optimizer
         self._replicator = replicator
         self._powersgd: PowerSGDState | None = None
+        self._local_sgd = replicator.local_sgd(model, "DistributedOptimizer(opt, repl, model=model)")
         self._hvrep_ready = True
 
     @property
     def replicator(self) -> Any:
         """The Replicator whose collectives reduce the gradients."""
         return self._replicator
+
+    @property
+    def local_sgd(self) -> Any:
+        """Local SGD's ``hvrep.replica.localsgd.LocalSGD`` (its ``state`` is what to checkpoint), or None."""
+        return self._local_sgd
 
     # LossScaleOptimizer's constructor sets its inner optimizer's loss_scale_factor to None: the one sign that
     # this optimizer is being wrapped in the order whose finite check sees unreduced gradients. The getter never
@@ -183,6 +205,8 @@ class DistributedOptimizer(_Optimizer):
             return list(grads)
         # Keras divides the loss by the strategy's replica count before the backward pass (1 with no strategy).
         divided_by = tf.distribute.get_strategy().num_replicas_in_sync
+        if self._local_sgd is not None:  # this replica's own mean gradient: undo Keras' division by N
+            return [g if g is None or divided_by == 1 else g * tf.cast(divided_by, g.dtype) for g in grads]
         if divided_by == n:
             op = "sum"
         elif divided_by == 1 and (repl.num_processes == n or tf.distribute.has_strategy()):
@@ -203,6 +227,10 @@ class DistributedOptimizer(_Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables or self.inner_optimizer._trainable_variables)
             self.built = True
+        if self._local_sgd is not None:
+            variables = list(trainable_variables or self.inner_optimizer._trainable_variables)
+            apply_locally(_InnerApply(self.inner_optimizer), self._local_sgd, self._reduce(list(grads)), variables)
+            return
         self.inner_optimizer.apply(self._reduce(list(grads)), trainable_variables)
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:

@@ -497,3 +497,30 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             if cost < best_cost:
                 best, best_cost = x, cost
     return best
+
+
+def local_sgd_bytes_per_step(trainable_bytes: float, local_steps: int | None, state_bytes: float = 0.0) -> float:
+    """S for local SGD (``CommConfig.local_steps``): bytes all-reduced per step, averaged over a round.
+
+    Every H-th step all-reduces the model, its trainable weights and its floating-point non-trainable state
+    (batch-norm moving statistics), in their own dtype (never compressed), and the other H−1 steps nothing::
+
+        S = (trainable_bytes + state_bytes) / H
+
+    With an outer optimizer (DiLoCo) the bytes are the same: the outer step runs on every replica after the
+    average. ``local_steps`` None is synchronous SGD: the gradients, ``trainable_bytes`` per step (batch-norm
+    statistics are not reduced). Feed S to :func:`allreduce_time` with the collectives of one synchronisation
+    divided by H for the time per step. A checkpoint adds one all-reduce of the optimizer's state (and of the
+    model, when it falls between two synchronisations); it is not counted here.
+
+    Args:
+      trainable_bytes: the trainable weights' bytes (= the fp32 gradients' bytes).
+      local_steps: H >= 1, or None.
+      state_bytes: the non-trainable floating-point state averaged at each synchronisation.
+    """
+    _check_bytes(trainable_bytes)
+    _check_bytes(state_bytes)
+    if local_steps is None:
+        return float(trainable_bytes)
+    _check_int("local_steps", local_steps, 1)
+    return (trainable_bytes + state_bytes) / local_steps

@@ -247,12 +247,23 @@ class Replicator:
         collective, called by every process alike. One process (in-graph backends): ``obj`` itself."""
         return self._backend.broadcast_object(obj, root_rank)
 
-    def wrap_optimizer(self, optimizer: Any) -> Any:
+    def wrap_optimizer(self, optimizer: Any, *, model: Any = None) -> Any:
         """Returns ``optimizer`` wrapped so ``apply_gradients`` all-reduces (mean) first.
 
         With ``CommConfig.accumulation_steps`` k > 1 it accumulates k micro-batches
         locally before one all-reduce and update (horovod backend only). With
         ``compression="powersgd"`` the wrapper owns the PowerSGD state (``.powersgd``).
+
+        With ``CommConfig.local_steps`` H (local SGD) it applies each replica's own
+        gradients to its own copy of the model and averages the models every H-th
+        update (docs/local-sgd.md); ``model`` (a built Keras model, required then)
+        names the state averaged with the weights: its floating-point
+        non-trainable variables (batch-norm statistics). Call it after the
+        model is built; ``apply_gradients`` must then receive the model's
+        trainable variables, in their order, once per step.
+
+        Raises:
+          hvrep.errors.ConfigError: accumulation off the horovod backend; local SGD without a built ``model``.
         """
         from hvrep.replica.wrap import CrossReplicaOptimizer
 
@@ -263,7 +274,26 @@ class Replicator:
                 "sit inside the conditional update of a tf.distribute replica context. Fix: accumulation_steps=1, "
                 "or a k-times larger per-replica batch."
             )
-        return CrossReplicaOptimizer(optimizer, k, self.config, self.num_replicas)
+        return CrossReplicaOptimizer(optimizer, k, self.config, self.num_replicas,
+                                     local_sgd=self.local_sgd(model, "wrap_optimizer(opt, model=model)"))
+
+    def local_sgd(self, model: Any, call: str = "local_sgd(model)") -> Any:
+        """The local-SGD state of ``model`` for this Replicator's ``CommConfig.local_steps``, or None when it is
+        None (synchronous SGD). Build it inside ``scope()``: ``wrap_optimizer`` and
+        ``hvrep.keras.DistributedOptimizer`` call it; ``call`` names the caller in errors."""
+        if self.config.local_steps is None:
+            return None
+        from hvrep.replica.localsgd import LocalSGD, averaged_state
+
+        if model is None or not getattr(model, "built", False) or not getattr(model, "trainable_variables", None):
+            raise ConfigError(
+                f"local_steps={self.config.local_steps} (local SGD) averages the whole model every "
+                f"{self.config.local_steps} steps, batch-norm statistics included, so it needs the built model; got "
+                f"model={type(model).__name__ if model is not None else None}. Fix: {call} with a built Keras "
+                "model (call it once, or build it, first).")
+        with self.scope():
+            return LocalSGD(self.config, self._backend, model.trainable_variables,
+                            averaged_state(model.non_trainable_variables))
 
 
 def latest() -> Replicator:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from hvrep.errors import ConfigError
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+# CommConfig(outer_optimizer=...): what local SGD applies to the averaged change of each round (None: averaging).
+OUTER_OPTIMIZERS = (None, "nesterov")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,27 @@ class CommConfig:
         backend with more than one rank only: on the in-graph backends one
         process drives every replica, no rank can be missing, and it is not
         enforced.
+      local_steps: None (default): synchronous SGD, gradients all-reduced at
+        every step. H >= 1: local SGD (Lin et al. 2018): each replica updates
+        its own copy of the model with its own gradients, with no collective,
+        and every H-th update the replicas' models (trainable weights and the
+        model's floating-point non-trainable state: batch-norm statistics) are
+        replaced by their mean. H = 1 equals synchronous SGD for optimizers
+        linear in the gradient (SGD, heavy-ball and Nesterov momentum), not for
+        Adam, LARS or global-norm clipping. The optimizer's own state
+        (momentum) stays per replica between synchronisations (averaged only
+        before a checkpoint). Through ``Replicator.wrap_optimizer(opt,
+        model=model)`` and ``hvrep.keras.DistributedOptimizer(opt, repl,
+        model=model)``; see docs/local-sgd.md.
+      outer_optimizer: None (default): each synchronisation sets the model to
+        the replicas' mean. "nesterov": DiLoCo's outer step (Douillard et al.
+        2023): SGD with Nesterov momentum on delta = (model at the round's
+        start) - (mean of the replicas' models), i.e. m = outer_momentum * m +
+        delta; model = start - outer_lr * (delta + outer_momentum * m). Applies
+        to the trainable weights; batch-norm statistics are averaged. Needs
+        ``local_steps``. outer_lr=1, outer_momentum=0 is plain averaging.
+      outer_lr: the outer step's learning rate (default 0.7, DiLoCo's).
+      outer_momentum: the outer step's Nesterov momentum in [0, 1) (default 0.9, DiLoCo's).
     """
 
     fusion_threshold_bytes: int | None = None
@@ -130,6 +153,11 @@ class CommConfig:
     accumulation_steps: int = 1
     check_first_step: bool = True
     timeout_s: float = 600.0  # 0: never
+    # Local SGD (docs/local-sgd.md): its own block, last.
+    local_steps: int | None = None  # None: synchronous SGD
+    outer_optimizer: str | None = None  # None: plain averaging at each synchronisation
+    outer_lr: float = 0.7  # DiLoCo's (Douillard et al. 2023, section 3)
+    outer_momentum: float = 0.9  # DiLoCo's
 
     def __post_init__(self) -> None:
         ft = self.fusion_threshold_bytes
@@ -159,6 +187,37 @@ class CommConfig:
                               "or 0 to never time out.")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}.")
+        self._check_local_sgd()
+
+    def _check_local_sgd(self) -> None:
+        h = self.local_steps
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
+            raise ConfigError(f"local_steps must be None (synchronous SGD) or an int >= 1 (average the models every "
+                              f"local_steps steps), got {h!r}. Fix: e.g. local_steps=4.")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got {self.outer_optimizer!r}. "
+                              "Fix: None (plain averaging) or \"nesterov\" (DiLoCo's outer step).")
+        lr, mu = self.outer_lr, self.outer_momentum
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
+            raise ConfigError(f"outer_lr must be a number > 0, got {lr!r}. Fix: 0.7 (DiLoCo's), or 1.0 with "
+                              "outer_momentum=0 for plain averaging.")
+        if isinstance(mu, bool) or not isinstance(mu, int | float) or not 0 <= mu < 1:
+            raise ConfigError(f"outer_momentum must be a number in [0, 1), got {mu!r}. Fix: 0.9 (DiLoCo's), or 0.")
+        if self.outer_optimizer is not None and h is None:
+            raise ConfigError(f"outer_optimizer={self.outer_optimizer!r} needs local SGD: local_steps is None "
+                              "(synchronous SGD). Fix: set local_steps (e.g. 4), or outer_optimizer=None.")
+        if self.outer_optimizer is None and (lr, mu) != (0.7, 0.9):
+            raise ConfigError(f"outer_lr={lr!r} and outer_momentum={mu!r} apply only with outer_optimizer="
+                              "\"nesterov\"; outer_optimizer is None (plain averaging). Fix: "
+                              "outer_optimizer=\"nesterov\", or leave outer_lr and outer_momentum at their defaults.")
+        if h is not None and self.accumulation_steps > 1:
+            raise ConfigError(f"local_steps={h} and accumulation_steps={self.accumulation_steps} cannot be "
+                              "combined: local SGD makes no gradient all-reduce to accumulate for. Fix: "
+                              "accumulation_steps=1 (a larger per-replica batch), or local_steps=None.")
+        if h is not None and self.compression != "none":
+            raise ConfigError(f"compression={self.compression!r} compresses gradient all-reduces, which local SGD "
+                              f"(local_steps={h}) does not make; its model averages travel in the variables' own "
+                              "dtype. Fix: compression=\"none\", or local_steps=None.")
 
     def _check_powersgd(self) -> None:
         r = self.powersgd_rank
@@ -176,6 +235,7 @@ class CommConfig:
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
             raise ConfigError(f"powersgd_min_compression_rate must be a number >= 0, got {m!r}. Fix: 2 (PyTorch's "
                               "default) or 0 to compress every matrix.")
+
 
 
 def powersgd_matrix(shape: tuple[int, ...] | list[int], rank: int, min_compression_rate: float

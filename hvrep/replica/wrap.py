@@ -49,13 +49,16 @@ class CrossReplicaOptimizer:
     """
 
     def __init__(self, optimizer: Any, accumulation_steps: int = 1, config: CommConfig | None = None,
-                 num_replicas: int = 1) -> None:
+                 num_replicas: int = 1, local_sgd: Any = None) -> None:
         self.inner = optimizer
         self.accumulation_steps = accumulation_steps
         self.accumulation: AccumulationState | None = None
         self._config = config or CommConfig()
         self._num_replicas = num_replicas
         self.powersgd: PowerSGDState | None = None
+        # A hvrep.replica.localsgd.LocalSGD with CommConfig.local_steps: no gradient all-reduce, the model is
+        # averaged every H updates instead.
+        self.local_sgd = local_sgd
 
     def build(self, variables: list[Any]) -> None:
         """Builds the wrapped optimizer and, with k > 1, the accumulation state, and PowerSGD's state (before
@@ -75,6 +78,8 @@ class CrossReplicaOptimizer:
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if self.local_sgd is not None:
+            return apply_locally(self.inner, self.local_sgd, grads, variables, **kwargs)
         if self.accumulation_steps == 1:
             grads = self._reduce(grads, variables)
             return self.inner.apply_gradients(zip(grads, variables, strict=True), **kwargs)
@@ -93,6 +98,16 @@ class CrossReplicaOptimizer:
                                           compress=self._config.compression != "powersgd")
             for acc, m in zip(self.accumulation.accumulators, mean, strict=True):
                 acc.assign(m)
+
+    def average_local_state(self, model: bool = True) -> None:
+        """Local SGD, inside a replica step, before a checkpoint: the model (``model``: True when the replicas
+        diverged since the last synchronisation, ``local_sgd.mid_round``) and the optimizer's per-replica state
+        (momentum) become their mean over the replicas, so one copy, the chief's, holds the run. The run that
+        saves continues from the mean too, so it and a run resumed from the checkpoint stay identical."""
+        from hvrep.replica.localsgd import optimizer_state
+
+        if self.local_sgd is not None:
+            self.local_sgd.average_now(optimizer_state(self.inner), model=model)
 
     def _accumulate(self, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:
         k = self.accumulation_steps
@@ -118,3 +133,16 @@ class CrossReplicaOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def apply_locally(optimizer: Any, local_sgd: Any, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:
+    """Local SGD's update, inside a replica step: ``optimizer`` applies this replica's own ``grads`` to its copy of
+    ``variables``; every H-th call the models are synchronised (``hvrep.replica.localsgd``)."""
+    local_sgd.begin_update()
+    present = [i for i, g in enumerate(grads) if g is not None]
+    kept = local_sgd.keep_local([grads[i] for i in present])
+    local = list(grads)
+    for i, g in zip(present, kept, strict=True):
+        local[i] = g
+    optimizer.apply_gradients(zip(local, variables, strict=True), **kwargs)
+    return local_sgd.end_update()

@@ -275,6 +275,13 @@ class RunConfig:
         if o.optimizer != "recipe" and epochs is not None and o.warmup_epochs > epochs:
             raise ConfigError(f"optim.warmup_epochs={o.warmup_epochs:g} is longer than training (train.epochs="
                               f"{epochs}). Fix: a shorter optim.warmup_epochs or a larger train.epochs.")
+        # Local SGD: a checkpoint is taken at a synchronisation point. A save off the cadence synchronises early
+        # (the epoch's end, a stop); a regular cadence that is not a multiple of H would do so every time.
+        h, every = self.comm.local_steps, self.checkpoint.every_steps
+        if h is not None and every is not None and every % h:
+            raise ConfigError(f"checkpoint.every_steps={every} is not a multiple of comm.local_steps={h}: local SGD "
+                              "checkpoints at a synchronisation point, and each save between two would synchronise "
+                              f"the replicas early. Fix: checkpoint.every_steps={max(1, round(every / h)) * h}.")
 
 
 SECTIONS = ("model", "data", "optim", "train", "comm", "checkpoint", "elastic")

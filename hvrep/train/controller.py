@@ -132,7 +132,7 @@ class Controller:
             epoch=epoch, segments=segments, world_size=n, global_batch=gb, train_examples=train_examples,
             samples_per_epoch=self.schedule.schedule.samples_per_epoch, epochs=self.epochs,
             lr=self.schedule.schedule.at_epoch, loop="custom",
-            accumulation=self.runner.accumulation_record()))
+            accumulation=self.runner.accumulation_record(), local_sgd=self.runner.local_sgd_record()))
 
     def _anchor(self, epoch: int, at: EpochPosition) -> None:
         """Anchors the schedule at the samples trained before this epoch's first step; logs a resume once."""

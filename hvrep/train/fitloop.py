@@ -60,6 +60,10 @@ def check_supported(cfg: RunConfig) -> None:
     if cfg.comm.accumulation_steps > 1:
         raise ConfigError(f"comm.accumulation_steps={cfg.comm.accumulation_steps} works with train.loop=custom "
                           "only. Fix: train.loop=custom, or accumulation_steps=1 with a larger batch.")
+    if cfg.comm.local_steps is not None:
+        raise ConfigError(f"comm.local_steps={cfg.comm.local_steps} (local SGD) works with train.loop=custom only "
+                          "in hvrep train (your own model.fit takes it through hvrep.keras.DistributedOptimizer(opt, "
+                          "repl, model=model)). Fix: train.loop=custom, or comm.local_steps=None.")
 
 
 def _train_dataset(repl: hvrep.Replicator, data_cfg: Any, global_batch: int, num_classes: int,

@@ -81,6 +81,10 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
         if cfg.train.loop == "fit":
             raise HvrepError("train.loop=fit is not elastic in hvrep train yet. Fix: train.loop=custom under "
                              "horovodrun's elastic driver (or your own model.fit with hvrep.keras.callbacks).")
+        if cfg.comm.local_steps is not None:
+            raise HvrepError(f"comm.local_steps={cfg.comm.local_steps} (local SGD) is not elastic in hvrep train yet: "
+                             "an in-memory commit would hold only one rank's diverged model. Fix: comm.local_steps="
+                             "None under horovodrun's elastic driver, or a non-elastic launch.")
 
     _env.quiet_tensorflow_logs()
     import keras
@@ -149,12 +153,14 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
                           position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
     runner = Runner(repl, model, optimizer, num_classes=cfg.model.num_classes, label_smoothing=optim.label_smoothing,
                     fp16=cfg.train.precision == "fp16", jit_compile=cfg.train.jit_compile)
-    accumulation = {"accumulation": runner.accumulation} if runner.accumulation is not None else {}
+    extra_state = {"accumulation": runner.accumulation} if runner.accumulation is not None else {}
+    if runner.local_sgd is not None:
+        extra_state["local_sgd"] = runner.local_sgd
     ckpt = CheckpointManager(out / "checkpoints", is_chief=chief, keep=cfg.checkpoint.keep, model=model,
                              optimizer=optimizer, step=state.step, epoch=state.epoch, position=state.position,
-                             **accumulation)
+                             **extra_state)
     # Every rank restores the chief's newest checkpoint, or every rank stops saying why.
-    resumed = resuming.restore(repl, ckpt, cfg.comm.accumulation_steps) if resume else None
+    resumed = resuming.restore(repl, ckpt, cfg.comm.accumulation_steps, runner.local_sgd_record()) if resume else None
     restored = resumed.folder if resumed else None
     if resumed:
         optimizers.follow_checkpoint(cfg, optim, resumed.metadata, train_images)

@@ -40,7 +40,8 @@ FORMAT = 2
 
 def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, global_batch: int,
                       train_examples: int, samples_per_epoch: int, epochs: int, lr: Callable[[float], float],
-                      loop: str, accumulation: dict[str, int] | None = None) -> dict[str, Any]:
+                      loop: str, accumulation: dict[str, int] | None = None,
+                      local_sgd: dict[str, Any] | None = None) -> dict[str, Any]:
     """What both training loops write into a checkpoint's ``checkpoint.json``.
 
     Args:
@@ -50,6 +51,8 @@ def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, g
       epochs: the run's length (a recipe's run keeps it on resume).
       lr: the schedule's LR after so many epochs (recorded: the LR the next step trains with).
       loop: "custom" or "fit".
+      local_sgd: ``{"local_steps": H, "outer_optimizer": ...}`` of a local-SGD run (its checkpoints are taken at
+        a synchronisation point: ``hvrep.train.steps.Runner.prepare_checkpoint``), else None.
     """
     in_epoch = sum(s.steps * s.global_batch for s in segments)
     trained = epoch + in_epoch / samples_per_epoch
@@ -57,7 +60,7 @@ def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, g
             "world_size": world_size, "global_batch": global_batch, "segments": [s.to_json() for s in segments],
             "train_examples": train_examples, "trained_samples": epoch * samples_per_epoch + in_epoch,
             "epochs_trained": trained, "epochs": epochs, "lr": lr(trained),
-            "accumulation": accumulation or {"steps": 1, "micro_step": 0}}
+            "accumulation": accumulation or {"steps": 1, "micro_step": 0}, "local_sgd": local_sgd}
 
 
 class _NestedOptimizer(tf.Module):
@@ -118,13 +121,18 @@ def _views(views: np.ndarray) -> str:
     return ", ".join(f"rank {r}{' (chief)' if r == 0 else ''} {_describe(v)}" for r, v in enumerate(views))
 
 
-def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation_steps: int = 1) -> ResumePoint | None:
+def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation_steps: int = 1,
+            local_sgd: dict[str, Any] | None = None) -> ResumePoint | None:
     """Restores the chief's newest checkpoint on every rank.
 
     Call on every rank, before training. ``accumulation_steps`` is this run's
     ``CommConfig.accumulation_steps``: a checkpoint saved between two updates
     (gradients pending) must be resumed with the same value; otherwise the
     saved accumulation state is left out and the accumulators start empty.
+    ``local_sgd`` is this run's local-SGD record (``checkpoint_record``'s): the
+    saved local-SGD state (round counter, outer anchors and momenta) is restored
+    only from a checkpoint with the same record; otherwise a new round starts
+    from the restored model, which a checkpoint holds synchronised.
 
     Returns:
       The checkpoint restored, or None when the chief finds none (a fresh start
@@ -176,6 +184,8 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
         )
 
     without = _accumulation_rule(metadata, accumulation_steps, folder)
+    if "local_sgd" in checkpoints.trackables and metadata.get("local_sgd") != local_sgd:
+        without += ("local_sgd",)
     legacy = metadata.get("loop") == "fit" and "format" not in metadata and "optimizer" in checkpoints.trackables
     if legacy:
         log.warning("%s was written by the fit loop before checkpoint format %d: reading its optimizer from inside "

@@ -32,6 +32,9 @@ class Runner:
     goes through ``repl.wrap_optimizer``: k micro-batches per update, built
     here so that a checkpoint restored afterwards finds the accumulators; with
     ``comm.compression=powersgd`` too (the wrapper owns PowerSGD's state).
+    With ``CommConfig.local_steps`` H (local SGD) it goes through
+    ``repl.wrap_optimizer(optimizer, model=model)`` too: each replica steps on
+    its own gradients and the models are averaged every H steps.
     """
 
     def __init__(self, repl: hvrep.Replicator, model: keras.Model, optimizer: Any, *, num_classes: int,
@@ -42,8 +45,9 @@ class Runner:
         self._applier = None
         # PowerSGD's state is keyed by the variables: the wrapper owns it (not checkpointed by hvrep train yet: a
         # restart starts it afresh, docs/powersgd.md).
-        if repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd":
-            self._applier = repl.wrap_optimizer(optimizer)
+        if (repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd"
+                or repl.config.local_steps is not None):
+            self._applier = repl.wrap_optimizer(optimizer, model=model)
             with repl.scope():
                 self._applier.build(model.trainable_variables)
         self.num_classes = num_classes
@@ -73,6 +77,20 @@ class Runner:
         """The gradient-accumulation state to checkpoint (``hvrep.replica.wrap.AccumulationState``), or None."""
         return self._applier.accumulation if self._applier is not None else None
 
+    @property
+    def local_sgd(self) -> Any:
+        """Local SGD's state to checkpoint (``hvrep.replica.localsgd.LocalSGDState``), or None."""
+        local = self._applier.local_sgd if self._applier is not None else None
+        return local.state if local is not None else None
+
+    def local_sgd_record(self) -> dict[str, Any] | None:
+        """What a checkpoint's metadata says about local SGD (resume restores its state only from the same)."""
+        c = self.repl.config
+        if c.local_steps is None:
+            return None
+        return {"local_steps": c.local_steps, "outer_optimizer": c.outer_optimizer,
+                **({"outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum} if c.outer_optimizer else {})}
+
     def accumulation_record(self) -> dict[str, int]:
         """What a checkpoint's metadata says about accumulation: ``{"steps": k, "micro_step": m}``."""
         state = self.accumulation
@@ -90,6 +108,17 @@ class Runner:
         record = self.accumulation_record()
         if self._applier is not None and record["micro_step"] % record["steps"]:
             self.repl.run(self._applier.average_accumulators)
+        local = self._applier.local_sgd if self._applier is not None else None
+        if local is not None:
+            # A checkpoint holds one copy, the chief's: the replicas' models (if they diverged since the last
+            # synchronisation) and their optimizer states (momentum: per replica) become their means first.
+            self.repl.run(self._average_mid_round if local.mid_round else self._average_optimizer_state)
+
+    def _average_mid_round(self) -> None:
+        self._applier.average_local_state(model=True)
+
+    def _average_optimizer_state(self) -> None:
+        self._applier.average_local_state(model=False)
 
     def _train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         loss, grads, correct = self._compute(x, y)

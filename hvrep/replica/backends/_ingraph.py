@@ -342,6 +342,14 @@ class InGraphBackend(Backend):
             self._marks.add(r)
         return out
 
+    def keep_local(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        # Marked as if reduced: Keras' optimizer then skips its cross-replica SUM and the strategy's update gives
+        # each replica's copy of a variable that replica's own value (local SGD, hvrep.replica.localsgd).
+        out = [tf.identity(t) for t in tensors]
+        for t in out:
+            self._marks.add(t)
+        return out
+
     def _reduce_tensor(self, t: tf.Tensor, op: str) -> tf.Tensor:
         if op in ("max", "min"):  # the replica context reduces SUM and MEAN only
             stacked = self.all_gather(t[None], axis=0)

@@ -231,6 +231,11 @@ class Backend(abc.ABC):
                 out[i] = self._reduce_tensor(t, op)
         return out  # type: ignore[return-value]
 
+    def keep_local(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Inside a replica step: ``tensors`` (this replica's own gradients, local SGD) as an optimizer should apply
+        them, to this replica's copy only. One process per replica: nothing to do (in-graph: see there)."""
+        return list(tensors)
+
     @property
     def fusion_threshold_bytes(self) -> int:
         """hvrep's bucket size: the config's, or this backend's default."""

@@ -175,3 +175,15 @@ def test_payload_bytes_per_scheme():
     assert costmodel.ring_wire_bytes(2, 1000) == 1000 and costmodel.ring_wire_bytes(1, 1000) == 0
     with pytest.raises(ConfigError, match="scheme"):
         costmodel.payload_bytes(shapes, "int8")
+
+
+def test_local_sgd_bytes_per_step_are_the_model_and_its_statistics_over_h():
+    from hvrep.perf.costmodel import local_sgd_bytes_per_step
+
+    # ResNet-50: 25.6 M fp32 weights (102.2 MB); its batch norms' moving statistics: 53,120 values (212 kB).
+    weights, stats = 102_228_128, 212_480
+    assert local_sgd_bytes_per_step(weights, None, stats) == weights  # synchronous: the gradients only
+    assert local_sgd_bytes_per_step(weights, 1, stats) == weights + stats
+    assert local_sgd_bytes_per_step(weights, 16, stats) == pytest.approx((weights + stats) / 16)
+    with pytest.raises(ConfigError, match="local_steps must be an int >= 1, got 0"):
+        local_sgd_bytes_per_step(weights, 0)
