@@ -37,6 +37,8 @@ LONGEST_FIRST = (
     "tests/unit/docs/test_examples.py",
     "tests/unit/train/test_loop.py",
     "tests/unit/d4pg/test_app.py",
+    "tests/unit/replica/test_local_sgd.py",
+    "tests/unit/replica/test_powersgd.py",
     "tests/unit/perf/test_benchmark_optimizer_apply.py",
     "tests/unit/train/test_schedule_resume.py",
     "tests/unit/train/test_fit_loop.py",
