@@ -30,6 +30,7 @@ import numpy as np
 
 from examples.d4pg.agent import D4PGConfig
 from hvrep.errors import EXIT_OK, EXIT_USAGE, ConfigError, HvrepError
+from hvrep.train.settings import apply_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,42 +97,13 @@ class AppConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}.")
 
 
-def _parse(value: str, like: Any) -> Any:
-    if isinstance(like, bool):
-        if value.lower() not in ("true", "false"):
-            raise ConfigError(f"expected true or false, got {value!r}.")
-        return value.lower() == "true"
-    if isinstance(like, tuple):
-        return tuple(int(v) for v in value.split(","))
-    if like is None:
-        return None if value.lower() == "none" else int(value)
-    return type(like)(value)
-
-
 def config(overrides: Sequence[str]) -> AppConfig:
     """``AppConfig`` with ``key=value`` / ``agent.key=value`` overrides applied (``agent.hidden=256,256``).
 
     Raises:
       hvrep.errors.ConfigError: an unknown key or a value of the wrong type.
     """
-    top: dict[str, Any] = {}
-    agent: dict[str, Any] = {}
-    base = AppConfig()
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        section, target = (base.agent, agent) if key.startswith("agent.") else (base, top)
-        name = key.removeprefix("agent.")
-        if not sep or name not in {f.name for f in dataclasses.fields(section)} - {"agent"}:
-            raise ConfigError(f"unknown setting {item!r}. Fix: key=value with key one of "
-                              f"{sorted({f.name for f in dataclasses.fields(AppConfig)} - {'agent'})} or "
-                              f"agent.<key> with <key> one of "
-                              f"{sorted(f.name for f in dataclasses.fields(D4PGConfig))}.")
-        try:
-            target[name] = _parse(value, getattr(section, name))
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} is not of type {type(getattr(section, name)).__name__}. Fix: e.g. "
-                              f"{key}={getattr(section, name)}.") from None
-    return dataclasses.replace(base, **top, agent=dataclasses.replace(base.agent, **agent))
+    return apply_settings(AppConfig(), overrides, section="agent")
 
 
 def env_spec(env_id: str) -> tuple[int, int, np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from examples.sngan.gan import GANConfig
 from hvrep.errors import EXIT_OK, EXIT_USAGE, ConfigError, HvrepError
+from hvrep.train.settings import apply_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,40 +65,13 @@ class AppConfig:
             raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}.")
 
 
-def _parse(value: str, like: Any) -> Any:
-    if isinstance(like, bool):
-        if value.lower() not in ("true", "false"):
-            raise ConfigError(f"expected true or false, got {value!r}.")
-        return value.lower() == "true"
-    if like is None:
-        return None if value.lower() == "none" else int(value)
-    return type(like)(value)
-
-
 def config(overrides: Sequence[str]) -> AppConfig:
     """``AppConfig`` with ``key=value`` / ``gan.key=value`` overrides applied.
 
     Raises:
       hvrep.errors.ConfigError: an unknown key or a value of the wrong type.
     """
-    top: dict[str, Any] = {}
-    gan: dict[str, Any] = {}
-    base = AppConfig()
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        section, target = (base.gan, gan) if key.startswith("gan.") else (base, top)
-        name = key.removeprefix("gan.")
-        fields = {f.name for f in dataclasses.fields(section)} - {"gan"}
-        if not sep or name not in fields:
-            raise ConfigError(f"unknown setting {item!r}. Fix: key=value with key one of "
-                              f"{sorted({f.name for f in dataclasses.fields(AppConfig)} - {'gan'})} or gan.<key> "
-                              f"with <key> one of {sorted(f.name for f in dataclasses.fields(GANConfig))}.")
-        try:
-            target[name] = _parse(value, getattr(section, name))
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} is not of type {type(getattr(section, name)).__name__}. Fix: e.g. "
-                              f"{key}={getattr(section, name)}.") from None
-    return dataclasses.replace(base, **top, gan=dataclasses.replace(base.gan, **gan))
+    return apply_settings(AppConfig(), overrides, section="gan")
 
 
 def data_config(data_dir: str) -> Any:

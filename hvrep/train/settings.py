@@ -1,0 +1,58 @@
+"""``key=value`` settings for an app's frozen configuration (the GAN, the agent), read as ``hvrep train`` reads
+``section.key=value``: the app's own fields, and one nested section's as ``<section>.key=value``.
+
+    cfg = apply_settings(AppConfig(), ["steps=500", "agent.hidden=256,256"], section="agent")
+
+No TensorFlow here: an app checks its settings before it imports it, so a typo costs no start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from hvrep.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _parse(value: str, like: Any) -> Any:
+    """``value`` as the type of the default ``like``: true/false, a tuple of ints (``256,256``), none or an int
+    where the default is None, else ``type(like)(value)``."""
+    if isinstance(like, bool):
+        if value.lower() not in ("true", "false"):
+            raise ValueError(value)
+        return value.lower() == "true"
+    if isinstance(like, tuple):
+        return tuple(int(v) for v in value.split(","))
+    if like is None:
+        return None if value.lower() == "none" else int(value)
+    return type(like)(value)
+
+
+def apply_settings(base: T, overrides: Sequence[str], section: str) -> T:
+    """``base`` with ``key=value`` (its own fields) and ``<section>.key=value`` (the fields of its dataclass field
+    ``section``) applied; each dataclass's own checks run on the result.
+
+    Raises:
+      hvrep.errors.ConfigError: an unknown key (the message lists the valid ones) or a value of the wrong type.
+    """
+    inner = getattr(base, section)
+    names = {"": {f.name for f in dataclasses.fields(base)} - {section},
+             section: {f.name for f in dataclasses.fields(inner)}}
+    changes: dict[str, dict[str, Any]] = {"": {}, section: {}}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        where = section if key.startswith(f"{section}.") else ""
+        name = key.removeprefix(f"{section}.")
+        if not sep or name not in names[where]:
+            raise ConfigError(f"unknown setting {item!r}. Fix: key=value with key one of {sorted(names[''])} or "
+                              f"{section}.<key> with <key> one of {sorted(names[section])}.")
+        like = getattr(inner if where else base, name)
+        try:
+            changes[where][name] = _parse(value, like)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not of type {type(like).__name__}. Fix: e.g. {key}={like}.") \
+                from None
+    return dataclasses.replace(base, **changes[""], **{section: dataclasses.replace(inner, **changes[section])})
