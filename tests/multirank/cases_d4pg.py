@@ -18,30 +18,16 @@ from examples.d4pg.actor import ActorSpec
 from examples.d4pg.actors import ActorPool
 from examples.d4pg.agent import D4PG, D4PGConfig
 from examples.d4pg.replay import Board, Replay
+from tests.d4pg_data import ACT, HIGH, LOW, OBS, B, batches
 
-OBS, ACT, B, STEPS = 3, 1, 8, 3
-LOW, HIGH = np.array([-2.0], np.float32), np.array([2.0], np.float32)
 # The app's optimizer (Adam) and soft target updates; SGD and periodic updates are the in-graph unit test's
 # second case (each configuration traces its steps again: seconds of the shared launch).
 CONFIG = D4PGConfig(hidden=(16, 16))
 
 
-def _batches() -> list[np.ndarray]:
-    """STEPS global batches of 2B rows (obs, action, reward, discount, next obs); rank r gets rows [rB, (r+1)B)."""
-    rng = np.random.default_rng(3)
-    out = []
-    for _ in range(STEPS):
-        o, o2 = rng.normal(size=(2 * B, OBS)), rng.normal(size=(2 * B, OBS))
-        a = rng.uniform(-2, 2, size=(2 * B, ACT))
-        r = rng.uniform(-16, 0, size=(2 * B, 1))
-        d = rng.choice([0.0, 0.99 ** 3], size=(2 * B, 1))
-        out.append(np.concatenate([o, a, r, d, o2], 1).astype(np.float32))
-    return out
-
-
 def _train(repl: hvrep.Replicator, cfg: D4PGConfig, rows: slice) -> list[np.ndarray]:
     agent = D4PG(repl, cfg, OBS, ACT, LOW, HIGH)
-    for step, batch in enumerate(_batches(), 1):
+    for step, batch in enumerate(batches(), 1):
         repl.reduce(agent.train_step(batch[rows], step), "mean")
     return [np.asarray(w.numpy()) for net in (agent.policy, agent.critic, agent.target_policy, agent.target_critic)
             for w in net.weights]

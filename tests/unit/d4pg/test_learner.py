@@ -10,22 +10,7 @@ import tensorflow as tf
 import hvrep
 from examples.d4pg import policy
 from examples.d4pg.agent import D4PG, D4PGConfig, project
-
-OBS, ACT, B, STEPS = 3, 1, 8, 3
-LOW, HIGH = np.array([-2.0], np.float32), np.array([2.0], np.float32)
-
-
-def batches(num_replicas: int = 2) -> list[np.ndarray]:
-    """STEPS global batches of 2B rows (obs, action, reward, discount, next obs)."""
-    rng = np.random.default_rng(3)
-    out = []
-    for _ in range(STEPS):
-        o, o2 = rng.normal(size=(2 * B, OBS)), rng.normal(size=(2 * B, OBS))
-        a = rng.uniform(-2, 2, size=(2 * B, ACT))
-        r = rng.uniform(-16, 0, size=(2 * B, 1))
-        d = rng.choice([0.0, 0.99 ** 3], size=(2 * B, 1))
-        out.append(np.concatenate([o, a, r, d, o2], 1).astype(np.float32))
-    return out
+from tests.d4pg_data import ACT, HIGH, LOW, OBS, batches
 
 
 def train(repl: hvrep.Replicator, cfg: D4PGConfig) -> list[np.ndarray]:
