@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from examples.d4pg.agent import D4PGConfig
-from hvrep.errors import EXIT_OK, EXIT_USAGE, ConfigError, HvrepError
-from hvrep.train.settings import apply_settings
+from hvrep.errors import ConfigError
+from hvrep.train.settings import app_main, apply_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,14 +338,7 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    resume = "--resume" in args
-    try:
-        run(config([a for a in args if a != "--resume"]), resume=resume)
-    except HvrepError as e:
-        print(f"d4pg: error: {e}", file=sys.stderr)
-        return EXIT_USAGE.code
-    return EXIT_OK.code
+    return app_main("d4pg", config, run, argv)
 
 
 if __name__ == "__main__":

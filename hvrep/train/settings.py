@@ -4,15 +4,17 @@
     cfg = apply_settings(AppConfig(), ["steps=500", "agent.hidden=256,256"], section="agent")
 
 No TensorFlow here: an app checks its settings before it imports it, so a typo costs no start-up.
+``app_main`` is an app's whole command line: ``sys.exit(app_main("d4pg", config, run))``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from hvrep.errors import ConfigError
+from hvrep.errors import EXIT_OK, EXIT_USAGE, ConfigError, HvrepError
 
 T = TypeVar("T")
 
@@ -56,3 +58,20 @@ def apply_settings(base: T, overrides: Sequence[str], section: str) -> T:
             raise ConfigError(f"{key}={value!r} is not of type {type(like).__name__}. Fix: e.g. {key}={like}.") \
                 from None
     return dataclasses.replace(base, **changes[""], **{section: dataclasses.replace(inner, **changes[section])})
+
+
+def app_main(name: str, config: Callable[[Sequence[str]], Any], run: Callable[..., Any],
+             argv: Sequence[str] | None = None) -> int:
+    """An app's command line: ``key=value`` settings (``config``) and ``--resume``, then ``run(cfg, resume=...)``.
+
+    Returns:
+      The exit code: 0, or hvrep's usage code (2) after one line ``<name>: error: ...`` for an error the user can
+      fix (``HvrepError``: a setting, a folder that holds another run).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run(config([a for a in args if a != "--resume"]), resume="--resume" in args)
+    except HvrepError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE.code
+    return EXIT_OK.code
