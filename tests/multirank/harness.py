@@ -159,7 +159,7 @@ def launched(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> It
             proc.wait(timeout=30)
 
 
-def launch(launcher: str, out: Path, modules: list[Path], np: int = NP, timeout: float = 420,
+def launch(launcher: str, out: Path, modules: list[Path], np: int = NP, timeout: float = 540,
            only: str = "") -> LaunchResult:
     """Runs the case modules under ``launcher`` with ``np`` ranks, once."""
     out.mkdir(parents=True, exist_ok=True)
