@@ -21,7 +21,7 @@ from tests.multirank import harness
 pytestmark = pytest.mark.multirank
 
 WORKER = Path(__file__).with_name("model_parallel_worker.py")
-TIMEOUT = 420  # for the three launches together (other multirank launches get 420 s too)
+TIMEOUT = 420  # for the three launches together (a launch of the case files gets 540 s)
 RUNS = ("local", "mpirun", "horovodrun")
 
 
