@@ -24,10 +24,25 @@ def test_each_code_is_distinct_and_the_docs_list_each_with_what_slurm_does():
         assert ("not requeued" in rows[e.code]) != e.requeue or e.code == 0, rows[e.code]
 
 
+def _decision(script: str) -> list[tuple[str, str]]:
+    """The branches of the decision after srun (the chain that ends in `scontrol requeue`): (condition, body)."""
+    start = script.index("\nif [[ $status -eq 65")
+    end = script.index("\nfi\n", script.index("scontrol requeue", start))
+    chain = script[start + 1 : end]
+    parts = re.split(r"^(?:if|elif) \[\[(.*)\]\]; then$", chain, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
 def test_the_preemptible_script_requeues_exactly_the_codes_the_table_marks_transient():
-    script = (ROOT / "slurm" / "preemptible.sbatch").read_text()
-    # The decision after srun: `if [[ REFUSE ]]; then ... elif [[ REQUEUE ]]; then ... scontrol requeue`.
-    refuse, requeue = re.search(r"^if \[\[(.*)\]\]; then\n.*\n^elif \[\[(.*)\]\]; then$", script, flags=re.M).groups()
+    branches = _decision((ROOT / "slurm" / "preemptible.sbatch").read_text())
+    # The first branch refuses; a job that scancel ended is never requeued, so its branch comes before the requeue.
+    refuse = branches[0][0]
+    names = [i for i, (_, body) in enumerate(branches) if "scontrol requeue" in body]
+    assert len(names) == 1, branches
+    requeue = branches[names[0]][0]
+    cancelled = [i for i, (cond, _) in enumerate(branches) if "$cancelled" in cond]
+    assert cancelled and cancelled[0] < names[0], branches
+    assert "scontrol requeue" not in branches[cancelled[0]][1]
     assert f"$status -eq {EXIT_HANG.code}" in requeue and f"$stopped == {EXIT_HANG.stopped}" in requeue
     assert f"$status -eq {EXIT_MISMATCH.code}" in refuse and f"$stopped == {EXIT_MISMATCH.stopped}" in refuse
     for e in EXIT_CODES:
