@@ -30,7 +30,7 @@ def _decision(script: str) -> list[tuple[str, str]]:
     end = script.index("\nfi\n", script.index("scontrol requeue", start))
     chain = script[start + 1 : end]
     parts = re.split(r"^(?:if|elif) \[\[(.*)\]\]; then$", chain, flags=re.M)
-    return list(zip(parts[1::2], parts[2::2]))
+    return list(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def test_the_preemptible_script_requeues_exactly_the_codes_the_table_marks_transient():
