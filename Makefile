@@ -92,7 +92,7 @@ lint: setup
 # tests/multihost/test_elastic_bed.py) run only when asked: `.venv/bin/python -m pytest -m slow`.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial and not slow" --durations=30 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "serial and not slow" $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml, docs/). The API reference is read from the sources without importing

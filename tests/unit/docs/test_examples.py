@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.multirank import harness
 from tests.unit.docs.blocks import ROOT, all_blocks
 
 BIN = Path(sys.executable).parent
@@ -37,8 +38,7 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     todo = {"local": runnable, "mpirun": launch, "horovodrun": launch}
     py = [sys.executable, str(RUNNER)]
     argv = {"local": py,
-            "mpirun": [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none",
-                       sys.executable, "-m", "mpi4py", *py[1:]],
+            "mpirun": [str(BIN / "mpirun"), "-np", "2", *harness.MPIRUN_FLAGS, sys.executable, "-m", "mpi4py", *py[1:]],
             "horovodrun": [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *py]}
     procs = {}
     for name, blocks in todo.items():

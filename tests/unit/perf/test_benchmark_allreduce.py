@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from hvrep.models import resnet50_variable_shapes
+from tests.multirank import harness
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "allreduce.py"
@@ -36,8 +37,8 @@ def test_quick_run_under_mpirun_writes_every_case(tmp_path):
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "TF_CPP_MIN_LOG_LEVEL": "2",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none",
-           sys.executable, "-m", "mpi4py", str(SCRIPT), "--quick", "--shrink", str(SHRINK), "--out", str(out)]
+    cmd = [str(BIN / "mpirun"), "-np", "2", *harness.MPIRUN_FLAGS, sys.executable, "-m", "mpi4py", str(SCRIPT),
+           "--quick", "--shrink", str(SHRINK), "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
 

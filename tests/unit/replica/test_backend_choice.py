@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multirank import harness
+
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 SCRIPT = """
@@ -48,8 +50,7 @@ def _launch(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
 
 
 LAUNCHERS = {
-    "mpirun": [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-               "mpi4py", "-c"],
+    "mpirun": [str(BIN / "mpirun"), "-np", "2", *harness.MPIRUN_FLAGS, sys.executable, "-m", "mpi4py", "-c"],
     "horovodrun": [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-c"],
 }
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from hvrep.data import write_demo
 from hvrep.train.checkpoint import read_metadata
+from tests.multirank import harness
 
 BIN = Path(sys.executable).parent
 HVREP = str(BIN / "hvrep")
@@ -36,8 +37,8 @@ def _env() -> dict[str, str]:
 
 
 def _mpirun(np_: int) -> list[str]:
-    return [str(BIN / "mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-            "mpi4py", "-m", "hvrep.cli"]
+    return [str(BIN / "mpirun"), "-np", str(np_), *harness.MPIRUN_FLAGS, sys.executable, "-m", "mpi4py", "-m",
+            "hvrep.cli"]
 
 
 def _command(args: list[str], ranks: int) -> list[str]:
