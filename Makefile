@@ -84,12 +84,15 @@ lint: setup
 # serial). Most of the suite's time is spent waiting for launched jobs (TensorFlow's import, rendezvous, a
 # watchdog's timeout), which a second worker fills. Not three: with three, the CI's cores were always busy and the
 # mpirun launches of the multi-rank cases ran 4-5 times as long as the horovodrun ones (403 s of cases against 88 s),
-# past their time limit: a rank waiting in Open MPI polls (yielding, but always runnable), so on a loaded machine
-# it takes CPU from the very ranks it waits for (2026-11-26). A test file runs whole on one worker (its module and session fixtures, e.g. one launch for many
+# past their time limit: a rank waiting in Open MPI polls, so on a loaded machine it takes CPU from the very ranks
+# it waits for (2026-11-26; those test ranks busy-polled: `python -m mpi4py` started MPI before hvrep could ask it to
+# yield, which tests/multirank/harness.py's MPIRUN_FLAGS now do; three workers were not tried again since).
+# A test file runs whole on one worker (its module and session fixtures, e.g. one launch for many
 # cases, are made once); what files share outside pytest (caches under ~/.cache/hvrep, Slurm clusters on free
 # ports) is safe to use from two at once. Files start longest first (tests/conftest.py, LONGEST_FIRST; xdist's
-# own reorder is off). Tests marked slow (minutes on namespace hosts:
-# tests/multihost/test_elastic_bed.py) run only when asked: `.venv/bin/python -m pytest -m slow`.
+# own reorder is off). Tests marked slow (minutes on namespace hosts: tests/multihost/test_elastic_bed.py; the
+# one-node Slurm sweep, which test_slurm_multinode.py runs across nodes) run only when asked:
+# `.venv/bin/python -m pytest -m slow`.
 TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial and not slow" --durations=30 $(PYTEST_ARGS)

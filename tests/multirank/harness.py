@@ -27,7 +27,7 @@ MPIRUN_FLAGS = ("--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when
 
 # The case files of the communication schemes and apps, launched apart from the rest (test_multirank_apps.py): one
 # launch of every case file ran past its time limit, and two files run on two of make test's workers at once.
-APP_CASES = ("cases_d4pg.py", "cases_localsgd.py", "cases_powersgd.py")
+APP_CASES = ("cases_d4pg.py", "cases_localsgd.py", "cases_powersgd.py", "cases_sngan.py")
 
 
 def case_modules(group: str | None = None) -> list[Path]:

@@ -4,6 +4,9 @@
     horovodrun -np 2 --gloo python tests/multirank/sngan_worker.py --out DIR    # the same under Gloo
     python tests/multirank/sngan_worker.py --out DIR --ingraph                  # local 2 x B vs horovod 1 x 2B
 
+make test runs the last (test_sngan.py); the launched check runs as cases_sngan.py in the apps' shared launch,
+with this file's ``_train``. The first two commands reproduce it on their own.
+
 Each process trains the reference (one replica on the global batch of 2B) and the replicated run (its replica's
 B of each update) from the same initial weights, then writes ``DIR/<mode>-rank<R>.json``: the largest
 difference of every generator, discriminator and EMA-generator variable (trainable and not: spectral norm's

@@ -119,6 +119,9 @@ def test_single_node_runs_two_ranks_under_srun_and_exits_0(slurm, demo_data, tmp
     assert log.read_text().count("hvrep train: max_steps at step 3") == 1  # the chief alone prints
 
 
+# Outside make test (`pytest -m slow tests/slurm/test_slurm.py`): the same script's sweep runs across two nodes, with
+# hvrep report, in test_slurm_multinode.py; this one-node sweep cost make test 83 s of a worker.
+@pytest.mark.slow
 def test_scaling_sweep_on_one_node_writes_each_run_and_the_report(slurm, demo_data, tmp_path):
     sweep = tmp_path / "sweep"
     log = tmp_path / "job.out"
