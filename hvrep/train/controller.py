@@ -45,7 +45,7 @@ from hvrep.train.config import RunConfig
 from hvrep.train.metrics import MetricsWriter
 from hvrep.train.position import SchedulePosition, announce, trained_samples
 from hvrep.train.preemption import stop_on_signals
-from hvrep.train.resume import ResumePoint, checkpoint_record
+from hvrep.train.resume import ResumePoint, checkpoint_record, powersgd_record
 from hvrep.train.steps import Runner
 
 
@@ -132,7 +132,8 @@ class Controller:
             epoch=epoch, segments=segments, world_size=n, global_batch=gb, train_examples=train_examples,
             samples_per_epoch=self.schedule.schedule.samples_per_epoch, epochs=self.epochs,
             lr=self.schedule.schedule.at_epoch, loop="custom",
-            accumulation=self.runner.accumulation_record(), local_sgd=self.runner.local_sgd_record()))
+            accumulation=self.runner.accumulation_record(), local_sgd=self.runner.local_sgd_record(),
+            powersgd=powersgd_record(self.runner.repl.config)))
 
     def _anchor(self, epoch: int, at: EpochPosition) -> None:
         """Anchors the schedule at the samples trained before this epoch's first step; logs a resume once."""

@@ -190,10 +190,12 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
                        label_smoothing=optim.label_smoothing, fp16=False, jit_compile=False)
     # The custom loop's trackables: the optimizer it saves is the one inside the DistributedOptimizer (with its
     # LossScaleOptimizer under mixed_float16, as the custom loop wraps it).
+    # PowerSGD's state (comm.compression=powersgd) is the DistributedOptimizer's, kept apart from the optimizer's.
+    extra_state = {"powersgd": distributed.powersgd} if distributed.powersgd is not None else {}
     ckpt = CheckpointManager(Path(cfg.output_dir) / "checkpoints", is_chief=repl.is_chief, keep=cfg.checkpoint.keep,
                              model=model, optimizer=distributed.inner_optimizer, step=state.step, epoch=state.epoch,
-                             position=state.position)
-    resumed = resuming.restore(repl, ckpt, 1) if resume else None
+                             position=state.position, **extra_state)
+    resumed = resuming.restore(repl, ckpt, 1, powersgd=resuming.powersgd_record(repl.config)) if resume else None
     if resumed:
         optimizers.follow_checkpoint(cfg, optim, resumed.metadata, train_images)
     schedule = SchedulePosition(optim.schedule, distributed, gb)
@@ -210,10 +212,12 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
     start = time.time()
 
     def save(epoch: int) -> None:
+        if distributed.powersgd is not None:  # every rank, between fit calls: one copy of the error feedback
+            repl.run(distributed.powersgd.average_errors)
         ckpt.save(done, metadata=resuming.checkpoint_record(
             epoch=epoch, segments=segments, world_size=n, global_batch=gb, train_examples=train_examples,
             samples_per_epoch=optim.schedule.samples_per_epoch, epochs=epochs, lr=optim.schedule.at_epoch,
-            loop="fit"))
+            loop="fit", powersgd=resuming.powersgd_record(repl.config)))
 
     with stop_on_signals() as stop:
         agreement = _StopAgreement(repl, stop)

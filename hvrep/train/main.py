@@ -156,11 +156,14 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     extra_state = {"accumulation": runner.accumulation} if runner.accumulation is not None else {}
     if runner.local_sgd is not None:
         extra_state["local_sgd"] = runner.local_sgd
+    if runner.powersgd is not None:
+        extra_state["powersgd"] = runner.powersgd
     ckpt = CheckpointManager(out / "checkpoints", is_chief=chief, keep=cfg.checkpoint.keep, model=model,
                              optimizer=optimizer, step=state.step, epoch=state.epoch, position=state.position,
                              **extra_state)
     # Every rank restores the chief's newest checkpoint, or every rank stops saying why.
-    resumed = resuming.restore(repl, ckpt, cfg.comm.accumulation_steps, runner.local_sgd_record()) if resume else None
+    resumed = resuming.restore(repl, ckpt, cfg.comm.accumulation_steps, runner.local_sgd_record(),
+                               resuming.powersgd_record(repl.config)) if resume else None
     restored = resumed.folder if resumed else None
     if resumed:
         optimizers.follow_checkpoint(cfg, optim, resumed.metadata, train_images)

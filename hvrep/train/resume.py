@@ -41,7 +41,8 @@ FORMAT = 2
 def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, global_batch: int,
                       train_examples: int, samples_per_epoch: int, epochs: int, lr: Callable[[float], float],
                       loop: str, accumulation: dict[str, int] | None = None,
-                      local_sgd: dict[str, Any] | None = None) -> dict[str, Any]:
+                      local_sgd: dict[str, Any] | None = None,
+                      powersgd: dict[str, Any] | None = None) -> dict[str, Any]:
     """What both training loops write into a checkpoint's ``checkpoint.json``.
 
     Args:
@@ -53,6 +54,8 @@ def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, g
       loop: "custom" or "fit".
       local_sgd: ``{"local_steps": H, "outer_optimizer": ...}`` of a local-SGD run (its checkpoints are taken at
         a synchronisation point: ``hvrep.train.steps.Runner.prepare_checkpoint``), else None.
+      powersgd: :func:`powersgd_record` of a PowerSGD run (its state is saved averaged over the replicas), else
+        None.
     """
     in_epoch = sum(s.steps * s.global_batch for s in segments)
     trained = epoch + in_epoch / samples_per_epoch
@@ -60,7 +63,23 @@ def checkpoint_record(*, epoch: int, segments: list[Segment], world_size: int, g
             "world_size": world_size, "global_batch": global_batch, "segments": [s.to_json() for s in segments],
             "train_examples": train_examples, "trained_samples": epoch * samples_per_epoch + in_epoch,
             "epochs_trained": trained, "epochs": epochs, "lr": lr(trained),
-            "accumulation": accumulation or {"steps": 1, "micro_step": 0}, "local_sgd": local_sgd}
+            "accumulation": accumulation or {"steps": 1, "micro_step": 0}, "local_sgd": local_sgd,
+            "powersgd": powersgd}
+
+
+def powersgd_record(config: Any) -> dict[str, Any] | None:
+    """What a checkpoint's metadata says about PowerSGD (``CommConfig(compression="powersgd")``), else None.
+
+    Resume restores the saved PowerSGD state (error feedback, warm-start Q's, step counter) only into a run with
+    the same record: another rank or compression rule gives other shapes, and without error feedback there is
+    none to restore. A run at another world size restores it and the state resets itself at its next reduction
+    (``hvrep.replica.powersgd.PowerSGDState``).
+    """
+    if config.compression != "powersgd":
+        return None
+    return {"rank": config.powersgd_rank, "start_step": config.powersgd_start_step,
+            "error_feedback": config.powersgd_error_feedback, "warm_start": config.powersgd_warm_start,
+            "min_compression_rate": config.powersgd_min_compression_rate}
 
 
 class _NestedOptimizer(tf.Module):
@@ -122,7 +141,7 @@ def _views(views: np.ndarray) -> str:
 
 
 def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation_steps: int = 1,
-            local_sgd: dict[str, Any] | None = None) -> ResumePoint | None:
+            local_sgd: dict[str, Any] | None = None, powersgd: dict[str, Any] | None = None) -> ResumePoint | None:
     """Restores the chief's newest checkpoint on every rank.
 
     Call on every rank, before training. ``accumulation_steps`` is this run's
@@ -133,6 +152,9 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
     saved local-SGD state (round counter, outer anchors and momenta) is restored
     only from a checkpoint with the same record; otherwise a new round starts
     from the restored model, which a checkpoint holds synchronised.
+    ``powersgd`` is this run's :func:`powersgd_record`: the saved PowerSGD
+    state is restored only from a checkpoint with the same record; otherwise
+    it starts afresh (errors zero, Q's redrawn), as a run without it would.
 
     Returns:
       The checkpoint restored, or None when the chief finds none (a fresh start
@@ -186,6 +208,10 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
     without = _accumulation_rule(metadata, accumulation_steps, folder)
     if "local_sgd" in checkpoints.trackables and metadata.get("local_sgd") != local_sgd:
         without += ("local_sgd",)
+    if "powersgd" in checkpoints.trackables and metadata.get("powersgd") != powersgd:
+        log.info("%s holds no PowerSGD state for %s (it has %s): PowerSGD starts afresh (errors zero, Q's redrawn).",
+                 folder.name, powersgd, metadata.get("powersgd"))
+        without += ("powersgd",)
     legacy = metadata.get("loop") == "fit" and "format" not in metadata and "optimizer" in checkpoints.trackables
     if legacy:
         log.warning("%s was written by the fit loop before checkpoint format %d: reading its optimizer from inside "

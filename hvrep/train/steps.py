@@ -43,8 +43,7 @@ class Runner:
         self.model = model
         self.optimizer = optimizer
         self._applier = None
-        # PowerSGD's state is keyed by the variables: the wrapper owns it (not checkpointed by hvrep train yet: a
-        # restart starts it afresh, docs/powersgd.md).
+        # PowerSGD's state is keyed by the variables: the wrapper owns it (checkpointed: ``powersgd``).
         if (repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd"
                 or repl.config.local_steps is not None):
             self._applier = repl.wrap_optimizer(optimizer, model=model)
@@ -83,6 +82,11 @@ class Runner:
         local = self._applier.local_sgd if self._applier is not None else None
         return local.state if local is not None else None
 
+    @property
+    def powersgd(self) -> Any:
+        """PowerSGD's state to checkpoint (``hvrep.replica.powersgd.PowerSGDState``), or None."""
+        return self._applier.powersgd if self._applier is not None else None
+
     def local_sgd_record(self) -> dict[str, Any] | None:
         """What a checkpoint's metadata says about local SGD (resume restores its state only from the same)."""
         c = self.repl.config
@@ -98,7 +102,8 @@ class Runner:
                 "micro_step": int(state.micro_step.numpy()) if state is not None else 0}
 
     def prepare_checkpoint(self) -> None:
-        """Call on every rank before saving: pending accumulated gradients become their mean over the replicas.
+        """Call on every rank before saving: pending accumulated gradients (and PowerSGD's error feedback) become
+        their mean over the replicas.
 
         Each replica's accumulators hold its own gradients, and the chief saves
         only its copy; their mean is what the next update all-reduces, the same
@@ -108,6 +113,10 @@ class Runner:
         record = self.accumulation_record()
         if self._applier is not None and record["micro_step"] % record["steps"]:
             self.repl.run(self._applier.average_accumulators)
+        if self.powersgd is not None:
+            # Each replica's error feedback is its own; the chief saves its copy. Their mean is what the next
+            # reductions depend on, so every replica takes it: the run that saves and one resumed continue alike.
+            self.repl.run(self.powersgd.average_errors)
         local = self._applier.local_sgd if self._applier is not None else None
         if local is not None:
             # A checkpoint holds one copy, the chief's: the replicas' models (if they diverged since the last
