@@ -46,6 +46,7 @@ LONGEST_FIRST = (
     "tests/unit/docs/test_examples.py",
     "tests/unit/perf/test_benchmark_optimizer_apply.py",
     "tests/multirank/test_model_parallel.py",
+    "tests/unit/train/test_powersgd_train.py",
     "tests/unit/perf/test_benchmark_batch_norm.py",
     "tests/unit/cluster/test_horovodrun_mpi.py",
     "tests/multirank/test_cpu_budget.py",
