@@ -162,6 +162,11 @@ class SchemeRow:
     comm_share: float | None
     payload_bytes: float | None
     measured_over_predicted: float | None
+    wire_bytes: float | None = None
+    tcpip_bytes: float | None = None
+    horovod_bytes: float | None = None
+    measured_payload_bytes: float | None = None
+    predicted_ring_bytes: float | None = None
 
 
 def _median_time(runs: Sequence[SlowLinksRun]) -> float | None:
@@ -201,7 +206,12 @@ def summarize(runs: Sequence[SlowLinksRun]) -> list[SchemeRow]:
             speedup_vs_fp16=speedup(SYNC_FP16), speedup_vs_fp32=speedup(SYNC_FP32),
             steps=_median_detail(mine, "steps"), step_s=_median_detail(mine, "step_s"),
             comm_share=_median_detail(mine, "comm_share"), payload_bytes=_median_detail(mine, "payload_bytes_per_step"),
-            measured_over_predicted=_median_detail(mine, "measured_over_predicted")))
+            measured_over_predicted=_median_detail(mine, "measured_over_predicted"),
+            wire_bytes=_median_detail(mine, "wire_bytes_per_step"),
+            tcpip_bytes=_median_detail(mine, "tcpip_bytes_per_step"),
+            horovod_bytes=_median_detail(mine, "horovod_bytes_per_step"),
+            measured_payload_bytes=_median_detail(mine, "measured_payload_bytes_per_step"),
+            predicted_ring_bytes=_median_detail(mine, "predicted_ring_bytes_per_step")))
     return rows
 
 
@@ -280,12 +290,16 @@ def render_slow_links(runs: Sequence[SlowLinksRun], out_dir: str | Path) -> Path
     lines += ["", *[f"- {v}" for v in verdicts(rows)], ""]
     detailed = [r for r in rows if r.payload_bytes is not None]
     if detailed:
-        lines += ["Bytes per step (median over seeds): the cost model's payload S per rank, and the measured "
-                  "payload on both hosts' links (sent bytes less TCP/IP headers and Horovod's own traffic) over the "
-                  "model's ring bytes N·2(N−1)/N·S.", "",
-                  "| link Gbit/s | scheme | payload S (model) | measured / model |", "|---:|---|---:|---:|"]
-        lines += [f"| {r.link_gbit:g} | {r.scheme} | {r.payload_bytes:,.0f} | "
-                  f"{_fmt(r.measured_over_predicted, '.3f')} |" for r in detailed]
+        lines += ["Bytes per step, both hosts' links, median over seeds: everything sent (the veths' counters), of "
+                  "it TCP/IP headers (66 bytes a packet) and Horovod's own traffic (its rate with no collective, "
+                  "times the run's time), the rest (measured payload) against the cost model's ring bytes "
+                  "N·2(N−1)/N·S for its payload S per rank.", "",
+                  "| link Gbit/s | scheme | payload S (model) | ring bytes (model) | all sent | TCP/IP | Horovod's own "
+                  "| measured payload | measured / model |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r.link_gbit:g} | {r.scheme} | {r.payload_bytes:,.0f} | {_fmt(r.predicted_ring_bytes, ',.0f')} | "
+                  f"{_fmt(r.wire_bytes, ',.0f')} | {_fmt(r.tcpip_bytes, ',.0f')} | {_fmt(r.horovod_bytes, ',.0f')} | "
+                  f"{_fmt(r.measured_payload_bytes, ',.0f')} | {_fmt(r.measured_over_predicted, '.3f')} |"
+                  for r in detailed]
         lines.append("")
     for rate in sorted({r.link_gbit for r in runs}):
         name = png_name(rate)
@@ -316,7 +330,8 @@ def _plot(runs: Sequence[SlowLinksRun], path: Path, rate: float) -> None:
         med = [(statistics.median(r.curve[j][0] for r in mine), statistics.median(r.curve[j][1] for r in mine))
                for j in range(n)]
         med = [(w, a) for w, a in med if w > 0]
-        ax.plot([w for w, _ in med], [a for _, a in med], color=color, linewidth=2, marker="o", markersize=3,
+        style = "--" if scheme.endswith("_nesterov") else "-"  # the outer-optimizer twin of the line before it
+        ax.plot([w for w, _ in med], [a for _, a in med], style, color=color, linewidth=2, marker="o", markersize=3,
                 label=f"{scheme} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
     for target in sorted({r.target for r in runs}):
         ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
