@@ -24,7 +24,9 @@ def _curve(rate: float, seed: int, scheme: str, points: list[tuple[float, float]
 def _run(rate: float, seed: int, scheme: str, ratio: float) -> dict:
     return {"benchmark": "slow_links", "run_id": "r1", "kind": "run", "ok": True, "target": TARGET,
             "link_gbit": rate, "seed": seed, "scheme": scheme, "steps": 64, "step_s": 0.1, "comm_share": 0.5,
-            "payload_bytes_per_step": 1000.0, "measured_over_predicted": ratio}
+            "payload_bytes_per_step": 1000.0, "predicted_ring_bytes_per_step": 2000.0, "wire_bytes_per_step": 2300.0,
+            "tcpip_bytes_per_step": 200.0, "horovod_bytes_per_step": 100.0,
+            "measured_payload_bytes_per_step": 2000.0 * ratio, "measured_over_predicted": ratio}
 
 
 def _write(path: Path, lines: list[dict]) -> Path:
@@ -86,6 +88,8 @@ def test_hvrep_report_writes_the_page_and_one_plot_per_rate(tmp_path, capsys):
     page = (out / "slow-links.md").read_text()
     assert "| 0.1 | local_h4 | 3/3 | 10.0 | 4.00 | 8.00 | 0.9150 ± 0.0020 | 64 | 100.0 | 50% |" in page
     assert "| 0.1 | powersgd_r1 | 1/3 | not reached |" in page
+    # Bytes: all sent = TCP/IP + Horovod's own + payload, each a median over the 3 seeds (ratios 1.00, 1.01, 1.02).
+    assert "| 0.1 | local_h4 | 1,000 | 2,000 | 2,300 | 200 | 100 | 2,020 | 1.010 |" in page
     # Schemes keep the file's order: fp16 first, as written.
     assert page.index("| 0.1 | sync_fp16 |") < page.index("| 0.1 | sync_fp32 |") < page.index("| 0.1 | local_h4 |")
     for rate in ("0.1", "1"):
