@@ -35,6 +35,9 @@ Lines of ``benchmarks/multihost.py`` (``"benchmark": "multihost"``; its
 ``measured_efficiency`` and ``predicted_efficiency``) go to their own page,
 ``multihost.md``, with a plot of measured against predicted efficiency
 (``load_multihost``, ``render_multihost``); its calibration lines are read there only.
+
+Lines of ``benchmarks/slow_links.py`` (``"benchmark": "slow_links"``: accuracy against wall time per scheme,
+link rate and seed) go to ``slow-links.md``, with one plot per link rate (``hvrep.perf.slowlinks``).
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ from typing import Any
 
 from hvrep.errors import ConfigError, DataError, HvrepError
 from hvrep.perf import costmodel
+from hvrep.perf.slowlinks import SLOW_LINKS, load_slow_links, render_slow_links
 from hvrep.perf.summary import throughput
 
 _METRICS = "metrics.jsonl"
 _THROUGHPUT_PNG, _EFFICIENCY_PNG, _BREAKDOWN_PNG = "throughput.png", "efficiency.png", "breakdown.png"
 MULTIHOST = "multihost"  # benchmarks/multihost.py's lines
+_OWN_PAGES = (MULTIHOST, SLOW_LINKS)  # benchmarks whose lines get a page of their own, not the scaling table
 _MULTIHOST_MD, _MULTIHOST_PNG = "multihost.md", "multihost.png"
 _MIB = 1024 * 1024
 _NOT_RECORDED = "not recorded"
@@ -200,7 +205,7 @@ class ScalingRow:
 def load_results(paths: Iterable[str | Path], allow_empty: bool = False) -> list[Run]:
     """Reads training run folders and benchmark JSON-lines files (see the module docstring).
 
-    ``allow_empty``: return [] instead of raising when the files hold only ``multihost`` lines.
+    ``allow_empty``: return [] instead of raising when the files hold only ``multihost`` or ``slow_links`` lines.
     """
     runs: list[Run] = []
     for given in paths:
@@ -283,7 +288,7 @@ def _runs_from_benchmark(path: Path, records: list[tuple[int, dict[str, Any]]]) 
     for number, record in records:
         if record.get("ok") is False:  # a failed case; benchmarks record it and carry on
             continue
-        if record.get("benchmark") == MULTIHOST:  # read by load_multihost, reported on their own page
+        if record.get("benchmark") in _OWN_PAGES:  # read by load_multihost / load_slow_links, on their own page
             continue
         where = f"{path}:{number}"
         config = _need(record, "config", where, fix)
@@ -311,7 +316,7 @@ def _runs_from_benchmark(path: Path, records: list[tuple[int, dict[str, Any]]]) 
                         hardware=_hardware(record.get("env") or record.get("environment")),
                         breakdown=_breakdown(summary.get("step_time_breakdown"), where),
                         backend=config.get("backend")))
-    if not runs and not any(record.get("benchmark") == MULTIHOST for _, record in records):
+    if not runs and not any(record.get("benchmark") in _OWN_PAGES for _, record in records):
         raise DataError(f"{path} has no successful result (every line has ok: false). Fix: re-run the benchmark.")
     return runs
 
@@ -866,12 +871,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         multihost = load_multihost(args.results)
-        runs = load_results(args.results, allow_empty=bool(multihost))
+        slow = load_slow_links(args.results)
+        runs = load_results(args.results, allow_empty=bool(multihost or slow))
         if multihost:
             page = render_multihost(multihost, args.out)
             print(f"hvrep report: {len(multihost)} namespace-host line(s). Wrote {page} and {_MULTIHOST_PNG}")
-            if not runs:
-                return 0
+        if slow:
+            page = render_slow_links(slow, args.out)
+            print(f"hvrep report: {len(slow)} slow-link run(s). Wrote {page} and its plots in {page.parent}/")
+        if not runs:
+            return 0
         link = costmodel.interconnect(args.interconnect) if args.interconnect else None
         calibration = load_calibration(args.calibrate) if args.calibrate else None
         if calibration is not None and link is None:
