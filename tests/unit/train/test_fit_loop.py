@@ -14,7 +14,7 @@ from hvrep.errors import ConfigError
 from hvrep.train import config as configs
 from hvrep.train.checkpoint import read_metadata
 from tests.unit.train.test_mlperf_log import check_one_attempt
-from tests.unit.train.test_train_cli import BIN, HVREP, _command, _env, _events, demo_data  # noqa: F401 (a fixture)
+from tests.unit.train.test_train_cli import BIN, HVREP, _command, _env, _events
 
 
 def test_loop_is_validated_and_custom_stays_the_default():
@@ -100,7 +100,7 @@ def _fit_then_custom_then_fit(launcher: str, data: Path, out: Path) -> None:
         assert next(r["value"] for r in records if r["key"] == "submission_platform") in ("2xCPU", "2xGPU")
 
 
-def test_fit_and_custom_loop_checkpoints_resume_in_each_other_under_mpirun_and_horovodrun(demo_data, tmp_path):  # noqa: F811
+def test_fit_and_custom_loop_checkpoints_resume_in_each_other_under_mpirun_and_horovodrun(demo_data, tmp_path):
     # The two launchers' sequences side by side (much of each run is TensorFlow's start-up).
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {launcher: pool.submit(_fit_then_custom_then_fit, launcher, demo_data, tmp_path / launcher)

@@ -14,18 +14,10 @@ import tensorflow as tf
 import hvrep
 import hvrep.data
 import hvrep.train.steps
-from hvrep.data import write_demo
 from hvrep.errors import DataError
 from hvrep.train import config as configs
 from hvrep.train.controller import Controller
 from hvrep.train.main import run
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo-data")
-    write_demo(root)
-    return root / "tfrecord"
 
 
 def test_one_host_round_trip_per_loop_and_the_same_metrics(demo_data, tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from hvrep.data import num_examples
 from hvrep.errors import ConfigError
 from hvrep.train import config as configs
 from hvrep.train import mlperf
-from tests.unit.train.test_train_cli import _env, _events, _train, demo_data  # noqa: F401 (a fixture)
+from tests.unit.train.test_train_cli import _env, _events, _train
 
 DOCS = Path(__file__).parents[3] / "docs" / "mlperf.md"
 # 2 epochs, warmup over half of the first: the log has a warmup ending mid-epoch and a decay over an epoch
@@ -49,7 +49,7 @@ def _checker(log: Path, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def demo_run(demo_data, tmp_path_factory) -> Path:  # noqa: F811
+def demo_run(demo_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mllog") / "run"
     res = _train([*SHORT, f"data.data_dir={demo_data}", f"output_dir={out}", f"train.mllog={out}/mlperf.log"])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -125,7 +125,7 @@ def test_in_the_closed_division_only_the_checks_the_docs_list_fail(demo_run, tmp
     assert failed == _documented_closed_failures(), (failed, output[-5000:])
 
 
-def test_every_logged_hyperparameter_equals_the_value_trained_with(demo_run, demo_data):  # noqa: F811
+def test_every_logged_hyperparameter_equals_the_value_trained_with(demo_run, demo_data):
     logged = {r["key"]: r["value"] for r in mllog_records(demo_run / "mlperf.log")
               if r["event_type"] == "POINT_IN_TIME"}
     events = _events(demo_run)

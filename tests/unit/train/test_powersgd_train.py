@@ -17,19 +17,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hvrep.data import write_demo
 from hvrep.train import config as configs
 from hvrep.train.checkpoint import read_metadata
 from hvrep.train.main import run
 
 RECORD = {"rank": 1, "start_step": 0, "error_feedback": True, "warm_start": True, "min_compression_rate": 0.0}
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo-data")
-    write_demo(root)
-    return root / "tfrecord"
 
 
 def _cfg(demo_data: Path, out: Path, loop: str, steps: int, **extra: str) -> configs.RunConfig:

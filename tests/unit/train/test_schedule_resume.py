@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from hvrep.data import write_demo
 from hvrep.errors import ConfigError
 from hvrep.train import config as configs
 from hvrep.train import optim as optimizers
@@ -32,13 +31,6 @@ SCHEDULES = {
     # Goyal's recipe: 0.1 x batch / 256, x0.1 at 30/90 of 8 epochs (2.67): epoch 3 is past the first drop.
     "recipe": {"optim.optimizer": "recipe", "optim.label_smoothing": "0"},
 }
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo-data")
-    write_demo(root)
-    return root / "tfrecord"
 
 
 def _cfg(demo_data: Path, out: Path, schedule: str, batch: int, **extra: str) -> configs.RunConfig:

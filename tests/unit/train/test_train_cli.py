@@ -15,19 +15,11 @@ import psutil
 import pytest
 import tensorflow as tf
 
-from hvrep.data import write_demo
 from hvrep.train.checkpoint import read_metadata
 from tests.multirank import harness
 
 BIN = Path(sys.executable).parent
 HVREP = str(BIN / "hvrep")
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo-data")
-    write_demo(root)
-    return root / "tfrecord"
 
 
 def _env() -> dict[str, str]:

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.unit.train.test_train_cli import BIN, HVREP, demo_data  # noqa: F401 (a fixture)
+from tests.unit.train.test_train_cli import BIN, HVREP
 
 
 def _env() -> dict[str, str]:
@@ -33,7 +33,7 @@ _LAUNCH = {
 }
 
 
-def test_ctrl_c_stops_every_rank_at_a_step_saves_and_says_how_to_continue(demo_data, tmp_path):  # noqa: F811
+def test_ctrl_c_stops_every_rank_at_a_step_saves_and_says_how_to_continue(demo_data, tmp_path):
     runs = {(launch, loop): tmp_path / f"{launch}-{loop}" for launch, loop in
             (("python", "custom"), ("python", "fit"), ("horovodrun-gloo", "custom"), ("mpirun", "fit"))}
     procs = {key: subprocess.Popen(
@@ -74,7 +74,7 @@ def test_ctrl_c_stops_every_rank_at_a_step_saves_and_says_how_to_continue(demo_d
             assert procs[key].returncode == 0 and "Traceback" not in stderr, (key, stderr[-3000:])
 
 
-def test_resuming_at_an_epochs_end_prints_no_empty_epoch_and_overwrite_moves_the_run_aside(demo_data, tmp_path):  # noqa: F811
+def test_resuming_at_an_epochs_end_prints_no_empty_epoch_and_overwrite_moves_the_run_aside(demo_data, tmp_path):
     out = tmp_path / "run"
     common = [HVREP, "train", "--config", "demo", f"data.data_dir={demo_data}", f"output_dir={out}"]
     res = subprocess.run([*common, "train.max_steps=22"], capture_output=True, text=True, env=_env(), timeout=300)
