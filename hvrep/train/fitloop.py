@@ -187,7 +187,7 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
                           position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
     # The exact global evaluation of the custom loop (padding excluded, every image once).
     evaluator = Runner(repl, model, distributed, num_classes=cfg.model.num_classes,
-                       label_smoothing=optim.label_smoothing, fp16=False, jit_compile=False)
+                       label_smoothing=optim.label_smoothing, fp16=False, jit_compile=False, evaluate_only=True)
     # The custom loop's trackables: the optimizer it saves is the one inside the DistributedOptimizer (with its
     # LossScaleOptimizer under mixed_float16, as the custom loop wraps it).
     # PowerSGD's state (comm.compression=powersgd) is the DistributedOptimizer's, kept apart from the optimizer's.

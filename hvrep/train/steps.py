@@ -27,6 +27,7 @@ class Runner:
       label_smoothing: of the categorical cross-entropy.
       fp16: scale the loss (the optimizer is a LossScaleOptimizer).
       jit_compile: XLA-compile the forward and backward pass (never the collectives).
+      evaluate_only: the Runner only evaluates (:meth:`evaluate`); its optimizer is never wrapped or stepped.
 
     With ``CommConfig.accumulation_steps`` k > 1 (horovod backend) the update
     goes through ``repl.wrap_optimizer``: k micro-batches per update, built
@@ -38,14 +39,16 @@ class Runner:
     """
 
     def __init__(self, repl: hvrep.Replicator, model: keras.Model, optimizer: Any, *, num_classes: int,
-                 label_smoothing: float, fp16: bool, jit_compile: bool) -> None:
+                 label_smoothing: float, fp16: bool, jit_compile: bool, evaluate_only: bool = False) -> None:
         self.repl = repl
         self.model = model
         self.optimizer = optimizer
         self._applier = None
-        # PowerSGD's state is keyed by the variables: the wrapper owns it (checkpointed: ``powersgd``).
-        if (repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd"
-                or repl.config.local_steps is not None):
+        # PowerSGD's state is keyed by the variables: the wrapper owns it (checkpointed: ``powersgd``). A Runner
+        # that only evaluates (the fit loop's, whose updates go through Keras' optimizer) wraps nothing: a
+        # wrapper would hold a second, unused state (PowerSGD's error buffers, accumulators: the model's size).
+        if not evaluate_only and (repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd"
+                                  or repl.config.local_steps is not None):
             self._applier = repl.wrap_optimizer(optimizer, model=model)
             with repl.scope():
                 self._applier.build(model.trainable_variables)

@@ -66,3 +66,21 @@ def test_a_resume_with_another_powersgd_rank_starts_its_state_afresh(demo_data, 
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "final" and events[-1]["step"] == 6, events[-1]
     assert read_metadata(out / "checkpoints" / "ckpt-00000006")["powersgd"] == {**RECORD, "rank": 2}
+
+
+@pytest.mark.parametrize(("loop", "wraps"), [("custom", 1), ("fit", 0)])
+def test_only_the_training_path_wraps_the_optimizer(demo_data, tmp_path, monkeypatch, loop, wraps):
+    # fit's updates go through hvrep.keras.DistributedOptimizer, which owns PowerSGD's state; its evaluator (a
+    # Runner) wrapped the optimizer again, holding a second error buffer per compressed matrix that nothing used.
+    import hvrep
+
+    calls = []
+    real = hvrep.Replicator.wrap_optimizer
+
+    def counted(self, *args, **kwargs):
+        calls.append(loop)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(hvrep.Replicator, "wrap_optimizer", counted)
+    run(_cfg(demo_data, tmp_path / "run", loop, 2))
+    assert len(calls) == wraps, calls
