@@ -43,6 +43,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -57,6 +58,18 @@ AUTOTUNE = tf.data.AUTOTUNE
 _log = logging.getLogger("hvrep")
 # A training source's element -> (JPEG bytes, label, file name, sample id).
 _Load = Callable[..., tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]]
+
+
+def _as_written(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for a ``map``, ``filter`` or ``flat_map`` of the pipeline, traced as written, without AutoGraph.
+
+    Each epoch builds its pipeline anew (its own order and seed), so tf.data traces every function again, and
+    AutoGraph re-parsed each one's source every time. None of these functions branches or loops on a tensor in
+    Python (only on settings), which is all AutoGraph would convert. A rank that has one core pays for that
+    work out of its training steps: on the 2-rank demo under ``horovodrun --gloo`` (epochs of about a second)
+    the conversion cost 8% of the throughput (docs/performance.md, "CPU budget per rank").
+    """
+    return tf.autograph.experimental.do_not_convert(fn)
 
 
 def _jpeg_ok(data: tf.Tensor) -> tf.Tensor:
@@ -182,10 +195,12 @@ def _source(config: DataConfig, split: str, shards: ShardListing | None) -> tupl
         listing = list_folder(config.data_dir, split)
         files = tf.constant(listing.files)
         ds = tf.data.Dataset.from_tensor_slices((files, tf.constant(listing.labels, tf.int32)))
-        ds = ds.map(lambda f, y: (tf.io.read_file(f), y, f), num_parallel_calls=AUTOTUNE, deterministic=True)
+        ds = ds.map(_as_written(lambda f, y: (tf.io.read_file(f), y, f)), num_parallel_calls=AUTOTUNE,
+                    deterministic=True)
         return ds, len(listing.files)
     ds = tf.data.TFRecordDataset(list(shards.shards), num_parallel_reads=min(len(shards.shards), 8))
-    ds = ds.map(lambda r: _parse_record(r, config.label_offset), num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.map(_as_written(lambda r: _parse_record(r, config.label_offset)), num_parallel_calls=AUTOTUNE,
+                deterministic=True)
     return ds, sum(shards.counts)
 
 
@@ -280,7 +295,8 @@ def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare
     def emit(records: tf.Tensor, ids: tf.Tensor) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices((records, ids))
 
-    return loads.map(load).prefetch(1).flat_map(emit), lambda rec, i: (*_parse_record(rec, label_offset), i)
+    return (loads.map(_as_written(load)).prefetch(1).flat_map(_as_written(emit)),
+            lambda rec, i: (*_parse_record(rec, label_offset), i))
 
 
 def _whole_group_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare,
@@ -313,9 +329,10 @@ def _whole_group_records(listing: ShardListing, plan: EpochPlan, share: ReplicaS
         return records, take, ids
 
     def emit(records: tf.Tensor, take: tf.Tensor, ids: tf.Tensor) -> tf.data.Dataset:
-        return tf.data.Dataset.from_tensor_slices((take, ids)).map(lambda t, i: (tf.gather(records, t), i))
+        return tf.data.Dataset.from_tensor_slices((take, ids)).map(_as_written(lambda t, i: (tf.gather(records, t), i)))
 
-    return loads.map(load).prefetch(1).flat_map(emit), lambda rec, i: (*_parse_record(rec, label_offset), i)
+    return (loads.map(_as_written(load)).prefetch(1).flat_map(_as_written(emit)),
+            lambda rec, i: (*_parse_record(rec, label_offset), i))
 
 
 def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
@@ -391,12 +408,13 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         else:
             # A skipped bad file is replaced by one from the start of this replica's share (read
             # again), so every replica still yields exactly `steps` batches.
-            ds = ds.map(load, num_parallel_calls=AUTOTUNE, deterministic=True).filter(keep).repeat()
+            ds = ds.map(_as_written(load), num_parallel_calls=AUTOTUNE, deterministic=True)
+            ds = ds.filter(_as_written(keep)).repeat()
             ds = ds.take(share.steps * b)
             train_map = augment
 
         # Deterministic order (still parallel): a resumed run must see the same batches.
-        ds = ds.map(train_map, num_parallel_calls=AUTOTUNE, deterministic=True)
+        ds = ds.map(_as_written(train_map), num_parallel_calls=AUTOTUNE, deterministic=True)
         ds = ds.batch(b, drop_remainder=True)
     else:
         shards = list_shards(config.data_dir, split, require_index=False) if config.format == "tfrecord" else None
@@ -405,7 +423,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
         padded = math.ceil(math.ceil(n / n_rep) / b) * b  # the same on every replica
         ds = source.shard(n_rep, r)
         if raise_on_bad:
-            ds = ds.map(checked)
+            ds = ds.map(_as_written(checked))
 
         def eval_map(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             if raise_on_bad:
@@ -416,7 +434,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
                 image = tf.cond(ok, lambda: _eval_image(data, config), lambda: tf.zeros([size, size, 3]))
                 return _finish(image, config), tf.where(ok, label, PAD_LABEL)
 
-        ds = ds.map(eval_map, num_parallel_calls=AUTOTUNE, deterministic=True)
+        ds = ds.map(_as_written(eval_map), num_parallel_calls=AUTOTUNE, deterministic=True)
         pad = tf.data.Dataset.from_tensors((_finish(tf.zeros([size, size, 3]), config),
                                             tf.constant(PAD_LABEL, tf.int32)))
         ds = ds.concatenate(pad.repeat(padded - mine)).batch(b, drop_remainder=True)
