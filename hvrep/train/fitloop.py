@@ -3,7 +3,7 @@
 What is the same as the custom loop (``controller.py``): the model, the
 optimizer and its schedule in epochs (``optim.py``, ``position.py``), the data
 pipeline with its per-epoch seed and plan, the exact global evaluation
-(``Runner.evaluate``), ``metrics.jsonl`` and the console lines, ``train.max_steps``
+(``Evaluator.evaluate``), ``metrics.jsonl`` and the console lines, ``train.max_steps``
 and the target accuracy, and the checkpoints: the same trackables under the
 same names and the same ``checkpoint.json``, so a checkpoint written by either
 loop resumes in the other (``--resume``, restored as ``resume.py`` agrees on
@@ -52,7 +52,7 @@ from hvrep.train.controller import LoopState
 from hvrep.train.metrics import MetricsWriter
 from hvrep.train.position import SchedulePosition
 from hvrep.train.preemption import stop_on_signals
-from hvrep.train.steps import Runner
+from hvrep.train.steps import Evaluator
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -186,8 +186,7 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
                           epoch=tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch"),
                           position=tf.Variable(0, dtype=tf.int64, trainable=False, name="position"))
     # The exact global evaluation of the custom loop (padding excluded, every image once).
-    evaluator = Runner(repl, model, distributed, num_classes=cfg.model.num_classes,
-                       label_smoothing=optim.label_smoothing, fp16=False, jit_compile=False, evaluate_only=True)
+    evaluator = Evaluator(repl, model, cfg.model.num_classes)
     # The custom loop's trackables: the optimizer it saves is the one inside the DistributedOptimizer (with its
     # LossScaleOptimizer under mixed_float16, as the custom loop wraps it).
     # PowerSGD's state (comm.compression=powersgd) is the DistributedOptimizer's, kept apart from the optimizer's.

@@ -27,7 +27,6 @@ class Runner:
       label_smoothing: of the categorical cross-entropy.
       fp16: scale the loss (the optimizer is a LossScaleOptimizer).
       jit_compile: XLA-compile the forward and backward pass (never the collectives).
-      evaluate_only: the Runner only evaluates (:meth:`evaluate`); its optimizer is never wrapped or stepped.
 
     With ``CommConfig.accumulation_steps`` k > 1 (horovod backend) the update
     goes through ``repl.wrap_optimizer``: k micro-batches per update, built
@@ -39,20 +38,19 @@ class Runner:
     """
 
     def __init__(self, repl: hvrep.Replicator, model: keras.Model, optimizer: Any, *, num_classes: int,
-                 label_smoothing: float, fp16: bool, jit_compile: bool, evaluate_only: bool = False) -> None:
+                 label_smoothing: float, fp16: bool, jit_compile: bool) -> None:
         self.repl = repl
         self.model = model
         self.optimizer = optimizer
         self._applier = None
-        # PowerSGD's state is keyed by the variables: the wrapper owns it (checkpointed: ``powersgd``). A Runner
-        # that only evaluates (the fit loop's, whose updates go through Keras' optimizer) wraps nothing: a
-        # wrapper would hold a second, unused state (PowerSGD's error buffers, accumulators: the model's size).
-        if not evaluate_only and (repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd"
-                                  or repl.config.local_steps is not None):
+        # PowerSGD's state is keyed by the variables: the wrapper owns it (checkpointed: ``powersgd``).
+        if (repl.config.accumulation_steps > 1 or repl.config.compression == "powersgd"
+                or repl.config.local_steps is not None):
             self._applier = repl.wrap_optimizer(optimizer, model=model)
             with repl.scope():
                 self._applier.build(model.trainable_variables)
         self.num_classes = num_classes
+        self._evaluator = Evaluator(repl, model, num_classes)
         # Loss and correct predictions summed on the device over the steps of a loop: the controller reads and
         # reduces them once per loop, not once per step (each replica adds its own; reading sums the replicas).
         with repl.scope():
@@ -142,14 +140,6 @@ class Runner:
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
         return loss, correct
 
-    def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        logits = tf.cast(self.model(x, training=False), tf.float32)
-        valid = y >= 0  # padding rows: every image counts exactly once over the replicas
-        top1 = tf.logical_and(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), valid)
-        top5 = tf.logical_and(tf.reduce_any(tf.equal(tf.math.top_k(logits, min(5, self.num_classes)).indices,
-                                                     y[:, None]), -1), valid)
-        return tf.stack([tf.reduce_sum(tf.cast(top1, tf.int64)), tf.reduce_sum(tf.cast(top5, tf.int64))])
-
     def train(self, x: Any, y: Any) -> tuple[Any, Any]:
         """One step on every replica; returns per-replica (loss, correct predictions), also added to the totals.
 
@@ -165,6 +155,32 @@ class Runner:
 
     def reset_totals(self) -> None:
         self._totals.assign(tf.zeros([2], tf.float64))
+
+    def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int, threads: int | None = None
+                 ) -> tuple[float, float]:
+        """:meth:`Evaluator.evaluate` of this Runner's model."""
+        return self._evaluator.evaluate(data, val_images, per_replica_batch, threads)
+
+
+class Evaluator:
+    """A model's top-1 and top-5 accuracy over a validation split, every image counted once over the replicas.
+
+    The custom loop's :class:`Runner` evaluates through one; the fit loop, whose updates Keras applies, uses one
+    of its own (a Runner would wrap the optimizer again: a second PowerSGD state or accumulators, unused).
+    """
+
+    def __init__(self, repl: hvrep.Replicator, model: keras.Model, num_classes: int) -> None:
+        self.repl = repl
+        self.model = model
+        self.num_classes = num_classes
+
+    def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        logits = tf.cast(self.model(x, training=False), tf.float32)
+        valid = y >= 0  # padding rows: every image counts exactly once over the replicas
+        top1 = tf.logical_and(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), valid)
+        top5 = tf.logical_and(tf.reduce_any(tf.equal(tf.math.top_k(logits, min(5, self.num_classes)).indices,
+                                                     y[:, None]), -1), valid)
+        return tf.stack([tf.reduce_sum(tf.cast(top1, tf.int64)), tf.reduce_sum(tf.cast(top5, tf.int64))])
 
     def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int, threads: int | None = None
                  ) -> tuple[float, float]:

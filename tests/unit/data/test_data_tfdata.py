@@ -185,7 +185,7 @@ def test_a_thread_budget_turns_autotuning_off_and_the_same_batches_come(data, sp
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_building_an_epoch_runs_no_autograph_conversion(data, fmt, split, on_error, monkeypatch):
     # hvrep train builds each epoch's pipeline anew; AutoGraph re-parsed every map function's source each time
-    # (about 4% of a one-core rank's throughput on the demo). None of hvrep's branches on a tensor in Python.
+    # (8% of a one-core rank's throughput on the 2-rank demo). None of hvrep's branches on a tensor in Python.
     # (TensorFlow's own, inside TFRecordDataset's parallel reads, are TensorFlow's choice and not counted.)
     from tensorflow.python.autograph.impl import api
 
