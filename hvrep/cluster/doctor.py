@@ -90,6 +90,7 @@ def _horovod_framework(subpackage: str, extension: str, framework: str) -> bool:
 
 def _horovod() -> dict[str, Any]:
     from hvrep import compat
+    from hvrep.compat import horovod_patches
 
     version = _dist_version("horovod")
     if version is None:
@@ -104,6 +105,12 @@ def _horovod() -> dict[str, Any]:
         "nccl": bool(hvd.nccl_built()),
         "cuda": bool(hvd.cuda_built()),
         "stream_shim_loaded": compat.load_runtime_shim(),
+        # hvrep/compat/horovod_patches.py: what Horovod's background thread does while no tensor is pending.
+        "background_thread": ("waits for work (hvrep's build; HVREP_HOROVOD_IDLE_WAIT_MS="
+                              f"{os.environ.get('HVREP_HOROVOD_IDLE_WAIT_MS', '20')} ms at most)"
+                              if horovod_patches.installed() else
+                              "cycles every HOROVOD_CYCLE_TIME, busy or not (stock Horovod: its wake-ups take CPU "
+                              "from busy cores). Fix: `make setup` builds hvrep's Horovod"),
     }
 
 

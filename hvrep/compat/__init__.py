@@ -1,8 +1,9 @@
 """The one place hvrep bridges Horovod 0.28.1 and TensorFlow 2.21.
 
 Horovod's last release predates TF 2.16; the pieces in this folder (see
-README.md here) let it build and run against the pinned TensorFlow without
-patching Horovod's sources. At run time only one piece matters: the stream
+README.md here) let it build and run against the pinned TensorFlow; the one
+change to Horovod's sources is for speed (``horovod_patches.py``: its background
+thread waits for work instead of cycling). At run time only one piece matters: the stream
 shim of GPU (NCCL) builds, which must be loaded after TensorFlow and before
 ``horovod.tensorflow``. :func:`import_horovod` does that, and ``import hvrep``
 calls :func:`load_runtime_shim` so users who import Horovod themselves after

@@ -1,9 +1,12 @@
-"""Builds Horovod 0.28.1 from its sdist against this environment's TensorFlow.
+"""Builds Horovod 0.28.1 from its sdist against this environment's TensorFlow, with hvrep's one patch.
+
+The sdist is downloaded and unpacked, ``horovod_patches.PATCHES`` applied (its background thread waits for
+work instead of cycling), and the wheel built from the patched tree.
 
 Run by ``make setup`` as ``python -m hvrep.compat.build_horovod``. The built
 wheel is cached under ``~/.cache/hvrep/horovod/<key>/``, where the key names
 everything that went into it (Horovod, TensorFlow, Python, MPI, CPU or NCCL,
-and a hash of the compat headers and build recipe), so a fresh clone or a new
+and a hash of the compat headers, the patch and build recipe), so a fresh clone or a new
 venv on the same machine installs in seconds, and a change of any of those
 builds anew instead of loading a wheel built for something else.
 
@@ -22,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from hvrep.compat import (
     STANDIN_INCLUDE_DIR,
     STREAM_SHIM_SOURCE,
     _wheels,
+    horovod_patches,
     shim_path,
 )
 from hvrep.errors import SetupError
@@ -127,6 +132,7 @@ def _compat_hash() -> str:
         h.update(str(path.relative_to(INCLUDE_DIR)).encode())
         h.update(path.read_bytes())
     h.update(STREAM_SHIM_SOURCE.read_bytes())
+    h.update(repr(horovod_patches.PATCHES).encode())  # the C++ patch (hvrep/compat/horovod_patches.py)
     return h.hexdigest()[:10]
 
 
@@ -258,11 +264,21 @@ def _build_wheel(plan: BuildPlan, dest: Path) -> Path:
         start = time.monotonic()
         with open(logfile, "w") as log:
             res = subprocess.run(
-                [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-                 "--no-cache-dir", "--no-binary", "horovod", "-v", f"horovod=={HOROVOD_VERSION}",
-                 "-w", str(tmpdir / "wheel")],
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 f"horovod=={HOROVOD_VERSION}", "-d", str(tmpdir / "sdist")],
                 env=_build_env(plan), stdout=log, stderr=subprocess.STDOUT,
             )
+            if res.returncode == 0:
+                source = _unpack_sdist(tmpdir / "sdist", tmpdir / "src")
+                changed = horovod_patches.apply(source)
+                _log(f"applied hvrep's Horovod patch {horovod_patches.PATCH_ID} to {', '.join(changed)}")
+                log.write(f"[build_horovod] patched {changed}\n")
+                log.flush()
+                res = subprocess.run(
+                    [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                     "--no-cache-dir", "-v", str(source), "-w", str(tmpdir / "wheel")],
+                    env=_build_env(plan), stdout=log, stderr=subprocess.STDOUT,
+                )
         if res.returncode != 0:
             tail = "".join(logfile.read_text(errors="replace").splitlines(keepends=True)[-40:])
             raise SetupError(f"Horovod build failed (exit {res.returncode}); full log: {logfile}\n{tail}")
@@ -272,6 +288,16 @@ def _build_wheel(plan: BuildPlan, dest: Path) -> Path:
         published = _wheels.publish(wheels[0], dest)
         _log(f"built in {time.monotonic() - start:.0f} s, cached in {dest}")
     return published
+
+
+def _unpack_sdist(folder: Path, dest: Path) -> Path:
+    """The source tree of the one Horovod sdist that ``pip download`` put in ``folder``."""
+    found = sorted(folder.glob(f"horovod-{HOROVOD_VERSION}.tar.gz"))
+    if len(found) != 1:
+        raise SetupError(f"expected the Horovod {HOROVOD_VERSION} sdist in {folder}, found {found}")
+    with tarfile.open(found[0]) as tar:
+        tar.extractall(dest, filter="data")
+    return dest / f"horovod-{HOROVOD_VERSION}"
 
 
 def _build_shim(plan: BuildPlan) -> None:

@@ -36,7 +36,9 @@ class CommConfig:
         (``HOROVOD_CYCLE_TIME``). None (default): Horovod's stock value (or the
         exported one; 1 ms). Horovod reads both once, when it starts: a later
         Replicator in the same process that asks for other values is refused.
-        Its thread meets the other ranks in MPI once a cycle; before
+        Its thread meets the other ranks once a cycle while a tensor is
+        pending (stock Horovod: every cycle, busy or not; hvrep's build waits
+        for work, hvrep/compat/horovod_patches.py); before
         ``mpi_yield_when_idle`` was the default, a longer cycle cut how long
         Open MPI busy-polled: 5 ms ran ResNet-50 on busy CPU cores 1.37x as
         fast (20 ms: 1.48x), while 45 ms steps ran 4% slower (docs/performance.md,
@@ -46,7 +48,7 @@ class CommConfig:
         ``OMPI_MCA_mpi_yield_when_idle`` before Horovod starts MPI). True
         (default): a waiting rank hands its core back to the scheduler
         between polls, so Horovod's background thread, which meets the other
-        ranks in MPI once a cycle, stops taking a core from the training
+        ranks in MPI once a cycle while a tensor is pending, stops taking a core from the training
         step while it waits for them. False: it busy-polls (Open MPI's
         default unless a node is oversubscribed). None: hvrep sets nothing.
         A value the user exported (or ``mpirun --mca mpi_yield_when_idle``)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hvrep import compat
-from hvrep.compat import _wheels, build_horovod
+from hvrep.compat import _wheels, build_horovod, horovod_patches
+from hvrep.errors import SetupError
 
 CXX = shutil.which("c++") or shutil.which("g++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
@@ -143,3 +144,48 @@ def test_this_environment_holds_the_horovod_its_plan_asks_for():
     assert _wheels.is_current("horovod", build_horovod.installed_key(build_horovod.make_plan("auto")))
     hvd = compat.import_horovod()
     assert hvd.mpi_built() and hvd.gloo_built()
+
+
+def test_cache_key_changes_with_the_horovod_patch(monkeypatch):
+    before = build_horovod._compat_hash()
+    old, new, *_ = horovod_patches.PATCHES[0][1:]
+    monkeypatch.setattr(horovod_patches, "PATCHES", (("horovod/common/tensor_queue.h", old, new + "// x\n"),))
+    assert build_horovod._compat_hash() != before
+
+
+def _fake_sdist(root: Path, drop: int | None = None) -> None:
+    """A tree holding each piece the patch replaces (all but piece ``drop``), among other text."""
+    for i, (rel, old, _) in enumerate(horovod_patches.PATCHES):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = path.read_text() if path.exists() else "// Horovod 0.28.1\n"
+        path.write_text(text + (old if i != drop else "") + "// more\n")
+
+
+def test_the_horovod_patch_replaces_each_piece_once(tmp_path):
+    _fake_sdist(tmp_path)
+    changed = horovod_patches.apply(tmp_path)
+    assert changed == sorted({rel for rel, _, _ in horovod_patches.PATCHES})
+    for rel, old, new in horovod_patches.PATCHES:
+        text = (tmp_path / rel).read_text()
+        assert new in text and text.count(old) == new.count(old), rel  # left only where the new text keeps it
+    # Applied again, pieces are gone: refused, not patched twice.
+    with pytest.raises(SetupError, match="found it 0 times"):
+        horovod_patches.apply(tmp_path)
+
+
+def test_another_horovod_source_is_refused_with_the_file_and_the_fix(tmp_path):
+    _fake_sdist(tmp_path, drop=len(horovod_patches.PATCHES) - 1)
+    before = {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(SetupError, match=r"(?s)operations\.cc.*found it 0 times.*Fix: build Horovod 0\.28\.1"):
+        horovod_patches.apply(tmp_path)
+    assert before == {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}  # nothing half-patched
+
+
+def test_the_installed_horovod_is_the_patched_build():
+    # The waiting background thread (tests/multirank/test_horovod_idle.py shows what it does) is compiled in.
+    hvd = compat.import_horovod()
+    libs = list(Path(hvd.__file__).parent.glob("mpi_lib*.so"))
+    assert libs, Path(hvd.__file__).parent
+    assert horovod_patches.MARKER in libs[0].read_bytes()
+    assert horovod_patches.installed() is True

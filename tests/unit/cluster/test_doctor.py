@@ -143,3 +143,9 @@ def test_missing_checks_each_requirement_against_the_report():
     assert all("Fix:" in p for p in problems)
     with pytest.raises(HvrepError, match="'cuda'"):
         doctor.missing(info, ["cuda"])
+
+
+def test_report_says_what_horovods_background_thread_does_when_idle(full_report):
+    # make setup builds Horovod with hvrep's patch (hvrep/compat/horovod_patches.py).
+    says = full_report["horovod"]["background_thread"]
+    assert says.startswith("waits for work (hvrep's build; HVREP_HOROVOD_IDLE_WAIT_MS="), says
