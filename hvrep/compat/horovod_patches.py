@@ -10,7 +10,8 @@ waited 2.4 ms (median) on the peer's threads being scheduled (Horovod timeline; 
 
 With this patch, a cycle that would find nothing pending on this process (every process set's tensor table and
 message queue empty) first waits, on a condition variable, until a tensor is enqueued, Horovod shuts down, or
-``HVREP_HOROVOD_IDLE_WAIT_MS`` (default 20) passes. A tensor's arrival starts the cycle's clock, so Horovod's
+``HVREP_HOROVOD_IDLE_WAIT_MS`` (default 20; a value that is not a whole number >= 0 gets a warning and the
+default) passes. A tensor's arrival starts the cycle's clock, so Horovod's
 fusion window (one cycle) is kept: tensors enqueued within a cycle of the first still share one collective.
 
 Why this is safe: the protocol is unchanged. A waiting rank joins the cycle's collective when it has a tensor,
@@ -100,7 +101,18 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
      "static long HvrepIdleWaitMs() {\n"
      "  static const long ms = [] {\n"
      "    const char* v = std::getenv(\"HVREP_HOROVOD_IDLE_WAIT_MS\");\n"
-     "    return v == nullptr ? 20L : std::strtol(v, nullptr, 10);\n"
+     "    if (v == nullptr || *v == '\\0') {\n"
+     "      return 20L;\n"
+     "    }\n"
+     "    char* end = nullptr;\n"
+     "    const long parsed = std::strtol(v, &end, 10);\n"
+     "    if (*end != '\\0' || parsed < 0) {\n"
+     "      LOG(WARNING) << \"HVREP_HOROVOD_IDLE_WAIT_MS=\" << v\n"
+     "                   << \" is not a whole number of milliseconds >= 0; waiting at most 20 ms. Fix: \"\n"
+     "                   << \"unset it, or 0 to cycle as stock Horovod does.\";\n"
+     "      return 20L;\n"
+     "    }\n"
+     "    return parsed;\n"
      "  }();\n"
      "  return ms;\n"
      "}\n\n"
@@ -133,7 +145,7 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
 )
 
 # Names the patch set in logs; the cache key hashes PATCHES themselves.
-PATCH_ID = "idlewait1"
+PATCH_ID = "idlewait2"
 # A string only the patched library holds (the variable its background thread reads).
 MARKER = b"HVREP_HOROVOD_IDLE_WAIT_MS"
 

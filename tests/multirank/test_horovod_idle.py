@@ -3,7 +3,8 @@
 Stock Horovod 0.28.1 runs a cycle every millisecond while it is up, each a collective among the ranks; hvrep's
 build lets an idle background thread wait until a tensor is enqueued. idle_probe.py counts a rank's context
 switches over 1 s with nothing enqueued, then checks that reduces after the idle second and with a rank 0.3 s
-late give the right sums, and that ``hvd.shutdown()`` returns (the line is printed after it). Each launcher
+late give the right sums, that reduces with a joined rank (``hvd.join()``) do, and that ``hvd.shutdown()``
+returns (the line is printed after it). Each launcher
 runs twice, one after the other: hvrep's default, and ``HVREP_HOROVOD_IDLE_WAIT_MS=0`` (stock cycling, compiled
 in the same library), which the default is compared against.
 """
@@ -58,3 +59,5 @@ def test_reduces_after_an_idle_second_and_with_a_late_rank_are_exact(probes, nam
         # The line is printed after hvd.shutdown() returned: a thread left waiting would have held the launch
         # past its timeout.
         assert r["sums"] == [3.0, 30.0, 300.0], (rank, r)
+        # Rank 1 joined at once: rank 0's three reduces get its zeros; the last rank to join was rank 0.
+        assert r["joined"] == ([1000.0] * 3 if rank == 0 else []) and r["last_joined"] == 0, (rank, r)

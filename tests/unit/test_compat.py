@@ -4,8 +4,10 @@ what Horovod's NCCL build needs, and its cache keys follow what went into a buil
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,14 @@ def test_the_installed_horovod_is_the_patched_build():
     assert libs, Path(hvd.__file__).parent
     assert horovod_patches.MARKER in libs[0].read_bytes()
     assert horovod_patches.installed() is True
+
+
+def test_a_bad_idle_wait_is_named_with_the_fix_and_the_default_holds():
+    script = ("import tensorflow as tf\nfrom hvrep import compat\nhvd = compat.import_horovod()\nhvd.init()\n"
+              "print('SUM', float(hvd.allreduce(tf.constant(2.0), op=hvd.Sum)))\nhvd.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "HOROVOD_"))}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**env, "HVREP_HOROVOD_IDLE_WAIT_MS": "20ms", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert res.returncode == 0 and "SUM 2.0" in res.stdout, res.stderr[-3000:]
+    assert "HVREP_HOROVOD_IDLE_WAIT_MS=20ms is not a whole number of milliseconds >= 0; waiting at most 20 ms. " \
+           "Fix: unset it, or 0 to cycle as stock Horovod does." in res.stderr, res.stderr[-3000:]
