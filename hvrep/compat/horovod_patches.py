@@ -18,8 +18,10 @@ Why this is safe: the protocol is unchanged. A waiting rank joins the cycle's co
 which is when the other ranks need it (they wait in that collective for it, as they waited for its tensor before),
 or at the timeout: a peer that needs a rank with nothing to give (an error response, a stall check, the
 coordinator's bookkeeping) waits at most that long. Not used (stock cycling) while a process set has joined
-(``hvd.join``: the joined rank must answer every cycle with zeros), with dynamic process sets, while Horovod's
-autotuner runs, or with ``HVREP_HOROVOD_IDLE_WAIT_MS=0``. ``hvd.shutdown()`` wakes the thread at once.
+(``hvd.join``: the joined rank must answer every cycle with zeros), with more than the global process set (a
+rank outside a busy set still meets its members in each cycle's collectives of the global set: waiting, it
+would hold every cycle of theirs up), with dynamic process sets, while Horovod's autotuner runs, or with
+``HVREP_HOROVOD_IDLE_WAIT_MS=0``. ``hvd.shutdown()`` wakes the thread at once.
 
 Each patch replaces one exact piece of Horovod 0.28.1's source; a piece that is not there (another version) stops
 the build with a message instead of building something else. ``build_horovod`` hashes this file into the wheel's
@@ -122,8 +124,14 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
      "      state.parameter_manager.IsAutoTuning()) {\n"
      "    return;\n"
      "  }\n"
+     "  // With several process sets, a rank outside a busy one still meets its members in every cycle's\n"
+     "  // collectives of the global set: it must keep cycling.\n"
+     "  const auto ids = state.process_set_table.Ids();\n"
+     "  if (ids.size() != 1) {\n"
+     "    return;\n"
+     "  }\n"
      "  const uint64_t seen = TensorsEnqueued();\n"
-     "  for (auto id : state.process_set_table.Ids()) {\n"
+     "  for (auto id : ids) {\n"
      "    auto& process_set = state.process_set_table.Get(id);\n"
      "    if (!process_set.initialization_done || process_set.joined ||\n"
      "        !process_set.tensor_queue.IsEmpty()) {\n"
@@ -145,7 +153,7 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
 )
 
 # Names the patch set in logs; the cache key hashes PATCHES themselves.
-PATCH_ID = "idlewait2"
+PATCH_ID = "idlewait3"
 # A string only the patched library holds (the variable its background thread reads).
 MARKER = b"HVREP_HOROVOD_IDLE_WAIT_MS"
 
