@@ -208,3 +208,22 @@ def side_by_side(jobs: dict[str, Callable[[], dict]]) -> dict[str, dict]:
     for thread in threads:
         thread.join()
     return results
+
+
+def side_by_side_runs(cmd: list[str], variants: dict[str, dict[str, str]], logs: Path, tag: str,
+                      timeout: float = 180) -> dict[str, list[dict]]:
+    """Runs ``cmd`` once per variant (extra environment variables) at the same time, so that every variant sees
+    the same load; {variant: the JSON objects of its output lines that start with ``tag``, every rank's}."""
+    import json
+
+    with contextlib.ExitStack() as stack:
+        procs = {name: stack.enter_context(launched(cmd, logs / f"{name}.log", {**clean_env(), **extra}))
+                 for name, extra in variants.items()}
+        for proc in procs.values():
+            proc.wait(timeout=timeout)
+    found: dict[str, list[dict]] = {}
+    for name, proc in procs.items():
+        text = (logs / f"{name}.log").read_text()
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{text[-4000:]}"
+        found[name] = [json.loads(line.split(f"{tag} ", 1)[1]) for line in text.splitlines() if f"{tag} " in line]
+    return found

@@ -5,13 +5,12 @@ build lets an idle background thread wait until a tensor is enqueued. idle_probe
 switches over 1 s with nothing enqueued, then checks that reduces after the idle second and with a rank 0.3 s
 late give the right sums, that reduces with a joined rank (``hvd.join()``) do, and that ``hvd.shutdown()``
 returns (the line is printed after it). Each launcher
-runs twice, one after the other: hvrep's default, and ``HVREP_HOROVOD_IDLE_WAIT_MS=0`` (stock cycling, compiled
-in the same library), which the default is compared against.
+runs twice, side by side (the same load for both): hvrep's default, and ``HVREP_HOROVOD_IDLE_WAIT_MS=0`` (stock
+cycling, compiled in the same library), which the default is compared against.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,26 +18,22 @@ import pytest
 from tests.multirank import harness
 
 PROBE = str(Path(__file__).with_name("idle_probe.py"))
-SET_PROBE = str(Path(__file__).with_name("process_set_probe.py"))
 # Switch counts of an idle second: another test's load would change them.
 pytestmark = [pytest.mark.multirank, pytest.mark.serial]
+
+
+VARIANTS = {"waits": {}, "cycles": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"}}
 
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, dict[int, dict]]:
     tmp = tmp_path_factory.mktemp("horovod-idle")
     got: dict[str, dict[int, dict]] = {}
-    for launcher in ("horovodrun", "mpirun"):
-        for variant, extra in (("waits", {}), ("cycles", {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"})):
-            name, log = f"{launcher}-{variant}", tmp / f"{launcher}-{variant}.log"
-            returncode = harness.run_logged(harness.two_ranks(launcher, [PROBE]), log, timeout=180,
-                                            env={**harness.clean_env(), **extra})
-            text = log.read_text()
-            assert returncode == 0, f"{name}: exit {returncode}\n{text[-4000:]}"
-            lines = [json.loads(line.split("HOROVOD_IDLE ", 1)[1]) for line in text.splitlines()
-                     if "HOROVOD_IDLE " in line]
-            got[name] = {r["rank"]: r for r in lines}
-            assert sorted(got[name]) == [0, 1], text[-4000:]
+    for launcher in ("horovodrun", "mpirun"):  # both variants of a launcher side by side: the same load
+        runs = harness.side_by_side_runs(harness.two_ranks(launcher, [PROBE]), VARIANTS, tmp, "HOROVOD_IDLE")
+        for variant, lines in runs.items():
+            got[f"{launcher}-{variant}"] = {r["rank"]: r for r in lines}
+            assert sorted(got[f"{launcher}-{variant}"]) == [0, 1], lines
     return got
 
 
@@ -63,28 +58,3 @@ def test_reduces_after_an_idle_second_and_with_a_late_rank_are_exact(probes, nam
         # Rank 1 joined at once: rank 0's three reduces get its zeros; the last rank to join was rank 0.
         assert r["joined"] == ([1000.0] * 3 if rank == 0 else []) and r["last_joined"] == 0, (rank, r)
 
-
-@pytest.fixture(scope="module")
-def process_sets(tmp_path_factory) -> dict[str, dict[int, dict]]:
-    tmp = tmp_path_factory.mktemp("horovod-process-sets")
-    got: dict[str, dict[int, dict]] = {}
-    for variant, extra in (("waits", {}), ("cycles", {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"})):
-        log = tmp / f"{variant}.log"
-        returncode = harness.run_logged(harness.two_ranks("horovodrun", [SET_PROBE]), log, timeout=180,
-                                        env={**harness.clean_env(), **extra})
-        text = log.read_text()
-        assert returncode == 0, f"{variant}: exit {returncode}\n{text[-4000:]}"
-        lines = [json.loads(line.split("PROCESS_SET ", 1)[1]) for line in text.splitlines() if "PROCESS_SET " in line]
-        got[variant] = {r["rank"]: r for r in lines}
-        assert sorted(got[variant]) == [0, 1], text[-4000:]
-    return got
-
-
-def test_a_rank_outside_a_busy_process_set_keeps_cycling(process_sets):
-    # Rank 0 reduces 30 times in the process set [0] while rank 1 sleeps with nothing enqueued; each of rank 0's
-    # cycles also coordinates the global set with rank 1. A rank 1 that waited for work held each cycle up to
-    # 20 ms (measured before the patch cycled with several process sets: 0.62 s against 0.033 s stock).
-    for variant, runs in process_sets.items():
-        assert runs[0]["sums"] == [float(i) for i in range(30)] and runs[1]["sums"] == [], (variant, runs)
-        assert runs[0]["together"] == runs[1]["together"] == 2.0, (variant, runs)
-    assert process_sets["waits"][0]["seconds"] < 5 * process_sets["cycles"][0]["seconds"], process_sets
