@@ -105,13 +105,19 @@ def _horovod() -> dict[str, Any]:
         "nccl": bool(hvd.nccl_built()),
         "cuda": bool(hvd.cuda_built()),
         "stream_shim_loaded": compat.load_runtime_shim(),
-        # hvrep/compat/horovod_patches.py: what Horovod's background thread does while no tensor is pending.
-        "background_thread": ("waits for work (hvrep's build; HVREP_HOROVOD_IDLE_WAIT_MS="
-                              f"{os.environ.get('HVREP_HOROVOD_IDLE_WAIT_MS', '20')} ms at most)"
-                              if horovod_patches.installed() else
-                              "cycles every HOROVOD_CYCLE_TIME, busy or not (stock Horovod: its wake-ups take CPU "
-                              "from busy cores). Fix: `make setup` builds hvrep's Horovod"),
+        "background_thread": _background_thread(horovod_patches.installed()),
     }
+
+
+def _background_thread(patched: bool | None) -> str:
+    """What Horovod's background thread does while no tensor is pending (hvrep/compat/horovod_patches.py)."""
+    wait = os.environ.get("HVREP_HOROVOD_IDLE_WAIT_MS", "")
+    if not patched:
+        return ("cycles every HOROVOD_CYCLE_TIME, busy or not (stock Horovod: its wake-ups take CPU from busy "
+                "cores). Fix: `make setup` builds hvrep's Horovod")
+    if wait == "0":
+        return "cycles every HOROVOD_CYCLE_TIME, busy or not (hvrep's build, HVREP_HOROVOD_IDLE_WAIT_MS=0)"
+    return f"waits for work (hvrep's build; HVREP_HOROVOD_IDLE_WAIT_MS={wait if wait.isdigit() else 20} ms at most)"
 
 
 def _mpi() -> dict[str, Any]:

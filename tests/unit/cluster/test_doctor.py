@@ -149,3 +149,15 @@ def test_report_says_what_horovods_background_thread_does_when_idle(full_report)
     # make setup builds Horovod with hvrep's patch (hvrep/compat/horovod_patches.py).
     says = full_report["horovod"]["background_thread"]
     assert says.startswith("waits for work (hvrep's build; HVREP_HOROVOD_IDLE_WAIT_MS="), says
+
+
+def test_the_background_thread_line_follows_the_idle_wait_setting(monkeypatch):
+    from hvrep.cluster import doctor
+
+    monkeypatch.setenv("HVREP_HOROVOD_IDLE_WAIT_MS", "0")
+    assert doctor._background_thread(True).startswith("cycles every HOROVOD_CYCLE_TIME, busy or not (hvrep's build")
+    for value, ms in (("5", "5"), ("20ms", "20")):  # a malformed value: Horovod warns and waits 20 ms
+        monkeypatch.setenv("HVREP_HOROVOD_IDLE_WAIT_MS", value)
+        said = doctor._background_thread(True)
+        assert said == f"waits for work (hvrep's build; HVREP_HOROVOD_IDLE_WAIT_MS={ms} ms at most)", said
+    assert doctor._background_thread(False).endswith("Fix: `make setup` builds hvrep's Horovod")
