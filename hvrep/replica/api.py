@@ -117,12 +117,14 @@ class Replicator:
             # fixed once TensorFlow's runtime runs. The launcher's variables say where this rank sits.
             placement = resolve_placement()
             if placement.local_size > 1:
-                self.cpu_budget = cores.size_pools(placement.local_size, bind=not _env.horovod_elastic())
+                self.cpu_budget = cores.size_pools(placement.local_size, bind=not _env.horovod_elastic(),
+                                                   launcher_binds=placement.launcher != "horovodrun")
         self._backend = backends.create(backend, self.config, self.devices_per_replica)
         self._backend.batch_norm = batch_norm
         if self.cpu_budget is not None and self.cpu_budget.bind and self._backend.name == "horovod":
             self.cpu_binding = cores.bind_cores(self._backend.local_rank, self._backend.local_size,
-                                                self.cpu_budget.threads)
+                                                self.cpu_budget.threads,
+                                                launcher_binds=placement.launcher != "horovodrun")
         global _latest
         _latest = weakref.ref(self)
 

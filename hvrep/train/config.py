@@ -111,8 +111,9 @@ class TrainConfig:
         within this many steps. With ``loop="fit"``: Keras' ``steps_per_execution``.
       threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
         pool get this many. None (default): the rank's share, from the cores it may use
-        (``hvrep/replica/cores.py``, ``default_budget``): the cores a launcher or Slurm bound it to, else the
-        node's cores divided by its ranks on the node; one rank alone keeps TensorFlow's own pools.
+        (``hvrep/replica/cores.py``, ``default_budget``): the cores its launcher bound it to alone, else the
+        cores the node's ranks share (the node's, a container's or Slurm allocation's) divided by its ranks on
+        the node; one rank alone keeps TensorFlow's own pools.
       bind_cores: bind each rank's threads to ``threads`` cores of its own (local rank k: the k-th block of the
         node's cores), as ``mpirun --bind-to core`` does and ``horovodrun --gloo`` does not. None (default):
         where several ranks share a node that no launcher bound them on. A process a launcher or Slurm has

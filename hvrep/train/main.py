@@ -108,7 +108,9 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     placement = hvrep.resolve_placement()
     # Elastic: no binding. Several "hosts" may be one machine, each rank local rank 0 of its own, and local ranks
     # change at each reset: binding by local rank would put them on the same cores.
-    budget = cores.default_budget(cfg.train.threads, False if elastic else cfg.train.bind_cores, placement.local_size)
+    launcher_binds = placement.launcher != "horovodrun"  # horovodrun binds no rank: they share what they inherit
+    budget = cores.default_budget(cfg.train.threads, False if elastic else cfg.train.bind_cores, placement.local_size,
+                                  launcher_binds=launcher_binds)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=budget.threads,
                                                              bind_cores=budget.bind))
     if cfg.train.threads is not None:
@@ -117,7 +119,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
     repl = hvrep.Replicator("auto", config=cfg.comm, cpu_budget="off")  # applied above, from the settings
     chief, n = repl.is_chief, repl.num_replicas
-    binding = (cores.bind_cores(repl.local_rank, repl.local_size, cfg.train.threads) if cfg.train.bind_cores
+    binding = (cores.bind_cores(repl.local_rank, repl.local_size, cfg.train.threads, launcher_binds=launcher_binds)
+               if cfg.train.bind_cores
                else cores.Binding(cores.current_cores(), bound_here=False))
     out = Path(cfg.output_dir)
     demo_root = _env.cache_dir() / "demo-data"
