@@ -141,7 +141,7 @@ def default_budget(threads: int | None, bind: bool | None, local_size: int,
     restricted = allowed < online  # a launcher, Slurm, a cgroup or taskset narrowed the set
     if threads is None:
         if restricted and sharers == 1:
-            threads, why = allowed, f"the {allowed} core(s) this rank may use (its launcher's, Slurm's or a cgroup's)"
+            threads, why = allowed, f"the {allowed} core(s) the launcher bound this rank to"
         elif restricted and local_size > 1:
             threads = max(1, allowed // sharers)
             why = f"{allowed} allowed cores (of {online}) shared by {sharers} ranks on this node"
