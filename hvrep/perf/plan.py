@@ -7,7 +7,7 @@ equations, with their sources, are in docs/planning.md:
 * all-reduce of ``b`` bytes over ``N`` devices on ``M`` nodes of ``g`` (Thakur, Rabenseifner & Gropp 2005;
   Patarasuk & Yuan 2009)::
 
-      flat ring      2(N−1)·α_e + 2(N−1)/N · b / min(B_i, B_e)          (one node: α_i, B_i)
+      flat ring      2M·α_e + (2(N−1) − 2M)·α_i + 2(N−1)/N · b / min(B_i, B_e)     (one node: α_i, B_i)
       hierarchical   2(g−1)·α_i + 2(g−1)/g · b / B_i                    reduce + broadcast in the node
                    + 2(M−1)·α_e + 2(M−1)/M · b / B_e                    ring between the nodes
       (halving-doubling between the nodes: 2·log2(M)·α_e instead of 2(M−1)·α_e)
@@ -77,8 +77,8 @@ class Profile:
       gradient_shapes: optional shapes of the gradients, needed for PowerSGD's payload.
       beta_s: β, the fixed cost of one collective (negotiation), seconds.
       fusion_threshold_bytes: the largest fused collective.
-      cycle_s: how often the library looks for ready gradients (Horovod's HOROVOD_CYCLE_TIME, 1 ms in 0.28,
-        5 ms before 0.16): a collective starts only at a cycle's tick; 0 means at once.
+      cycle_s: how often the library looks for ready gradients (Horovod's HOROVOD_CYCLE_TIME: 1 ms since 0.21,
+        5 ms before): a collective starts only at a cycle's tick; 0 means at once.
       input_images_per_sec: the node's input pipeline, images/s, or None (not limiting).
       state_bytes: non-trainable float state local SGD averages with the weights (batch-norm statistics).
       source: where the figures came from (measured, or the publications).
@@ -218,8 +218,11 @@ def allreduce_s(nbytes: float, nodes: int, cluster: Cluster, topology: str = "ri
     if m == 1:
         return 2 * (g - 1) * ai + 2 * (g - 1) / g * nbytes / bi
     if topology == "ring":
-        # Every step of the ring waits for its slowest hop, a network one.
-        return 2 * (n - 1) * ae + 2 * (n - 1) / n * nbytes / min(bi, be)
+        # A pipelined ring pays each hop's own latency: of its 2(N−1) steps, 2M cross the network (NCCL's
+        # tuning model, src/graph/tuning.cc, counts them so), the rest stay in a node. Its bandwidth is its
+        # slowest link's.
+        inter_steps = 2 * m if g > 1 else 2 * (n - 1)
+        return (2 * (n - 1) - inter_steps) * ai + inter_steps * ae + 2 * (n - 1) / n * nbytes / min(bi, be)
     intra = 2 * (g - 1) * ai + 2 * (g - 1) / g * nbytes / bi if g > 1 else 0.0
     hops = 2 * math.ceil(math.log2(m)) if cluster.inter_algorithm == "halving_doubling" else 2 * (m - 1)
     return intra + hops * ae + 2 * (m - 1) / m * nbytes / be

@@ -25,9 +25,12 @@ def _profile(**kw) -> plan.Profile:
 
 # --- all-reduce time ---
 
-def test_flat_ring_across_nodes_pays_every_hop_at_the_network_latency_and_its_slowest_link():
-    # N = 8 (2 nodes x 4): 2*7*10 µs + 2*7/8 * 1e9 B / 2e9 B/s
-    assert plan.allreduce_s(1e9, 2, _cluster(4), "ring") == pytest.approx(14e-5 + 0.875, rel=1e-12)
+def test_flat_ring_across_nodes_pays_each_hops_latency_and_its_slowest_links_bandwidth():
+    # N = 8 (2 nodes x 4): 14 steps, 2*2 = 4 across the network (10 µs), 10 inside a node (1 µs);
+    # 2*7/8 * 1e9 B at the slower link, 2e9 B/s
+    assert plan.allreduce_s(1e9, 2, _cluster(4), "ring") == pytest.approx(4 * 10e-6 + 10 * 1e-6 + 0.875, rel=1e-12)
+    # one device per node: every step crosses the network: 2*3*10 µs + 2*3/4 * 1e9/2e9
+    assert plan.allreduce_s(1e9, 4, _cluster(1), "ring") == pytest.approx(6 * 10e-6 + 0.75, rel=1e-12)
 
 
 def test_hierarchical_is_a_ring_in_the_node_plus_a_ring_between_nodes():
