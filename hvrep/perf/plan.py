@@ -438,7 +438,8 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hvrep plan", description=__doc__.splitlines()[0])
     parser.add_argument("profile", help="a profile JSON (`hvrep bench node --out`, or written by hand)")
-    parser.add_argument("--cluster", required=True, help="a cluster JSON: devices_per_node, intra, inter")
+    parser.add_argument("--cluster", required=True, help='a cluster JSON: devices_per_node, intra, inter ("intra": '
+                        '"profile" takes the link `hvrep bench node` measured)')
     parser.add_argument("--nodes", default="1,2,4,8,16,32", help="comma-separated node counts")
     parser.add_argument("--schemes", default="fp32,fp16,powersgd:4,local:16",
                         help="comma-separated: fp32, fp16, powersgd:R, local:H")
@@ -451,8 +452,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
     args = parser.parse_args(argv)
     try:
-        profile = Profile.from_dict(_read_json(args.profile, "profile"))
-        cluster = Cluster.from_dict(_read_json(args.cluster, "cluster"))
+        profile_json = _read_json(args.profile, "profile")
+        profile = Profile.from_dict(profile_json)
+        cluster_json = _read_json(args.cluster, "cluster")
+        if cluster_json.get("intra") == "profile":  # the link `hvrep bench node` measured between the node's ranks
+            if not profile_json.get("intra_node_link"):
+                raise ConfigError(f'the cluster\'s intra is "profile" but {args.profile} has no intra_node_link (a '
+                                  "1-rank profile). Fix: profile under the launcher with every device of the node, "
+                                  'or give {"bandwidth_GBps": B, "latency_us": A}.')
+            cluster_json = {**cluster_json, "intra": profile_json["intra_node_link"]}
+        cluster = Cluster.from_dict(cluster_json)
         try:
             nodes = [int(n) for n in args.nodes.split(",") if n.strip()]
         except ValueError:
