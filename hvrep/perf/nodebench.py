@@ -40,7 +40,7 @@ from hvrep.errors import ConfigError
 
 SCHEMA = "hvrep.node_profile/1"
 # 4 KB to 256 MB in steps of 4x: the span nccl-tests' all_reduce_perf is usually run over.
-SIZES = tuple(4096 * 4**i for i in range(10))
+SIZES = tuple(4096 * 4**i for i in range(9))
 QUICK_SIZES = (4096, 65536, 1048576)
 
 
@@ -62,19 +62,30 @@ def _median_s(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
 
 
 def fit_link(points: Sequence[dict[str, float]], ranks: int) -> dict[str, float] | None:
-    """Least squares of seconds = a + 2(N−1)/N · bytes / B over the points; a and 1/B held >= 0.
+    """Fits seconds = a + 2(N−1)/N · bytes / B to the points, minimising the RELATIVE error (each point
+    weighted by 1/seconds²), so that the 4 KB points set a and the large ones B, rather than the largest
+    alone setting both; a and 1/B are held >= 0.
 
     Returns {"fixed_s": a, "latency_us": a / (2(N−1)) µs per ring hop, "bandwidth_GBps": B} or None with
     fewer than 2 points or one rank.
     """
     if ranks < 2 or len(points) < 2:
         return None
-    xs = [2 * (ranks - 1) / ranks * p["bytes"] for p in points]
-    ts = [p["seconds"] for p in points]
-    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = max(sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sxx, 1e-15) if sxx else 1e-15
-    fixed = max(mt - slope * mx, 0.0)
+    rows = [(2 * (ranks - 1) / ranks * p["bytes"], p["seconds"]) for p in points if p["seconds"] > 0]
+    # Normal equations of min sum w (a + s x - t)^2, w = 1/t^2.
+    w = [1 / t**2 for _, t in rows]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, rows, strict=True))
+    st = sum(wi * t for wi, (_, t) in zip(w, rows, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, rows, strict=True))
+    sxt = sum(wi * x * t for wi, (x, t) in zip(w, rows, strict=True))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxt - sx * st) / det if det > 0 else 0.0
+    fixed = (st - slope * sx) / sw if det > 0 else 0.0
+    if slope <= 0:  # no growth with bytes: all fixed cost
+        slope, fixed = 1e-15, st / sw
+    elif fixed < 0:  # refit through the origin
+        slope, fixed = sxt / sxx, 0.0
     return {"fixed_s": fixed, "latency_us": fixed / (2 * (ranks - 1)) * 1e6, "bandwidth_GBps": 1 / slope / 1e9}
 
 
@@ -182,7 +193,10 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
         return loss
 
     def loss_and_grads(xb, yb):
-        return forward_backward(xb, yb)[0]
+        # Return something of every gradient: a compiled function prunes the ops its outputs do not need, and
+        # would time the forward pass alone. The sums cost one read of the gradients.
+        loss, grads = forward_backward(xb, yb)
+        return loss + 0.0 * tf.add_n([tf.reduce_sum(g) for g in grads])
 
     modes = {"forward_s": forward, "forward_backward_s": loss_and_grads, "step_no_reduce_s": step_local,
              "step_with_reduce_s": step_reduced}
@@ -239,6 +253,10 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
         copy = {"GBps": (16 << 20) / _median_s(to_device, 3 if quick else 10) / 1e9, "bytes": 16 << 20,
                 "device": gpus[0].name, "why": "16 MB host tensor to the first GPU, sum read back"}
 
+    from hvrep import _env
+
+    # Horovod's cycle (1 ms unless HOROVOD_CYCLE_TIME says otherwise); no cycle on the in-graph backends.
+    cycle_ms = float(_env.horovod_knobs()[_env.HOROVOD_CYCLE_TIME] or 1.0) if repl.backend == "horovod" else 0.0
     shapes = [tuple(int(d) for d in v.shape) for v in variables]
     grad_bytes = 4 * sum(math.prod(s) for s in shapes)
     profile: dict[str, Any] = {
@@ -261,13 +279,20 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             "forward_s": rest, "backward_s": backward, "grad_bytes": grad_bytes, "tensors": len(shapes),
             # In the order the backward pass produces them (roughly the reverse of the variables').
             "gradient_shapes": [list(s) for s in shapes[::-1]],
-            "fusion_threshold_bytes": repl.config.fusion_threshold_bytes or 1,
+            # hvrep's bucket (0: one collective per gradient, as Horovod gets them).
+            "fusion_threshold_bytes": repl._backend.fusion_threshold_bytes or 1,
+            "bucketing": "static" if repl._backend.fusion_threshold_bytes else "dynamic",
+            "cycle_s": cycle_ms / 1e3,
+            # One rank count cannot tell a per-hop latency from a per-call cost; on one node the per-call cost
+            # (Horovod's negotiation and cycle, the library's launch) is most of it: it is taken as β, per
+            # collective, and the link's hop latency as 0.
+            "beta_s": 0.0 if link is None else link["fixed_s"],
             "input_images_per_sec": node_ips if data_dir else None,
             "source": f"hvrep bench node, {n} rank(s) via {placement.launcher} on {platform.node()}",
         },
         "intra_node_link": None if link is None else {
             "name": f"measured ({backend}, {n} ranks)", "bandwidth_GBps": link["bandwidth_GBps"],
-            "latency_us": link["latency_us"]},
+            "latency_us": 0.0, "note": "the fitted per-call cost is plan_inputs.beta_s"},
     }
     return profile
 

@@ -77,6 +77,8 @@ class Profile:
       gradient_shapes: optional shapes of the gradients, needed for PowerSGD's payload.
       beta_s: β, the fixed cost of one collective (negotiation), seconds.
       fusion_threshold_bytes: the largest fused collective.
+      bucketing: "dynamic" (Horovod's Tensor Fusion: whatever is ready when the link frees) or "static"
+        (hvrep's and PyTorch DDP's buckets: fixed groups of consecutive gradients, each sent when complete).
       cycle_s: how often the library looks for ready gradients (Horovod's HOROVOD_CYCLE_TIME: 1 ms since 0.21,
         5 ms before): a collective starts only at a cycle's tick; 0 means at once.
       input_images_per_sec: the node's input pipeline, images/s, or None (not limiting).
@@ -95,6 +97,7 @@ class Profile:
     beta_s: float = DEFAULT_BETA_TENSOR_S
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
     cycle_s: float = 1e-3
+    bucketing: str = "dynamic"
     input_images_per_sec: float | None = None
     state_bytes: float = 0.0
     source: str = ""
@@ -109,6 +112,8 @@ class Profile:
         _count("fusion_threshold_bytes", self.fusion_threshold_bytes)
         _positive("state_bytes", self.state_bytes, zero=True)
         _positive("cycle_s", self.cycle_s, zero=True)
+        if self.bucketing not in ("dynamic", "static"):
+            raise ConfigError(f"bucketing must be 'dynamic' or 'static', got {self.bucketing!r}.")
         if self.input_images_per_sec is not None:
             _positive("input_images_per_sec", self.input_images_per_sec)
         if self.layers is not None and not self.layers:
@@ -150,7 +155,7 @@ class Profile:
                 gradient_shapes=None if shapes is None else tuple(tuple(int(x) for x in s) for s in shapes),
                 beta_s=src.get("beta_s", DEFAULT_BETA_TENSOR_S),
                 fusion_threshold_bytes=src.get("fusion_threshold_bytes", DEFAULT_FUSION_THRESHOLD_BYTES),
-                cycle_s=src.get("cycle_s", 1e-3),
+                cycle_s=src.get("cycle_s", 1e-3), bucketing=src.get("bucketing", "dynamic"),
                 input_images_per_sec=src.get("input_images_per_sec"), state_bytes=src.get("state_bytes", 0.0),
                 source=str(src.get("source", "")))
         except KeyError as e:
@@ -239,15 +244,26 @@ class Overlap:
 
 
 def overlap(ready: Sequence[tuple[float, float]], backward_s: float, collective_s: Callable[[float], float],
-            threshold_bytes: float, *, after_backward: bool = False, cycle_s: float = 0.0) -> Overlap:
+            threshold_bytes: float, *, after_backward: bool = False, cycle_s: float = 0.0,
+            static: bool = False) -> Overlap:
     """When the reduction of gradients ready at ``ready`` (time, bytes) ends, fused as Horovod fuses.
 
     At the first cycle tick (a multiple of ``cycle_s``; 0: at once) at which the link is free and a
     gradient is ready, every gradient ready by then (in order, up to ``threshold_bytes``, at least one) goes
-    as one collective of ``collective_s(bytes)`` seconds. ``after_backward`` makes every gradient ready at
-    the end of the backward pass (no overlap).
+    as one collective of ``collective_s(bytes)`` seconds. ``static``: the buckets are fixed beforehand
+    instead (consecutive gradients up to ``threshold_bytes``, as hvrep's ``fusion_threshold_bytes`` and
+    PyTorch DDP pack them), each ready with its last gradient and sent alone. ``after_backward`` makes every
+    gradient ready at the end of the backward pass (no overlap).
     """
     items = [(backward_s if after_backward else t, b) for t, b in ready]
+    if static:
+        buckets: list[tuple[float, float]] = []
+        for t, b in items:
+            if buckets and buckets[-1][1] + b <= threshold_bytes:
+                buckets[-1] = (t, buckets[-1][1] + b)
+            else:
+                buckets.append((t, b))
+        items, threshold_bytes = buckets, 0.0
     free, busy, k, i = 0.0, 0.0, 0, 0
     while i < len(items):
         start = max(free, items[i][0])
@@ -329,7 +345,7 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
     elif scheme.compression in ("fp32", "fp16"):
         scale = 0.5 if scheme.compression == "fp16" else 1.0
         comm = overlap(profile.ready(scale), profile.backward_s, one, threshold, after_backward=not overlap_backward,
-                       cycle_s=profile.cycle_s)
+                       cycle_s=profile.cycle_s, static=profile.bucketing == "static")
         per = 1.0
     elif scheme.compression == "powersgd":
         if profile.gradient_shapes is None:

@@ -74,6 +74,12 @@ def test_after_the_backward_pass_everything_goes_at_its_end():
     assert (got.collectives, got.end_s, got.exposed_s) == (1, 8.5, 4.5)
 
 
+def test_static_buckets_go_only_when_their_last_gradient_is_ready():
+    # buckets of 2 bytes: [1,2] ready at 2 -> 2-4.5, [3,4] ready at 4, link free at 4.5 -> 4.5-7
+    got = plan.overlap(_four_ready(), 4.0, lambda b: 0.5 + b, threshold_bytes=2, static=True)
+    assert (got.collectives, got.end_s, got.exposed_s) == (2, 7.0, 3.0)
+
+
 def test_a_collective_starts_only_on_a_cycle_tick():
     # cycle 2 s: the first tick with a gradient ready is 2, when [1,2] are: 2-4.5; the link is free at 4.5,
     # the next tick is 6, when [3,4] are ready: 6-8.5
