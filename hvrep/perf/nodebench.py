@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hvrep.errors import ConfigError
+from hvrep.perf.costmodel import DEFAULT_BETA_TENSOR_S
 
 SCHEMA = "hvrep.node_profile/1"
 # 4 KB to 256 MB in steps of 4x: the span nccl-tests' all_reduce_perf is usually run over.
@@ -286,7 +287,7 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             # One rank count cannot tell a per-hop latency from a per-call cost; on one node the per-call cost
             # (Horovod's negotiation and cycle, the library's launch) is most of it: it is taken as β, per
             # collective, and the link's hop latency as 0.
-            "beta_s": 0.0 if link is None else link["fixed_s"],
+            "beta_s": DEFAULT_BETA_TENSOR_S if link is None else link["fixed_s"],
             "input_images_per_sec": node_ips if data_dir else None,
             "source": f"hvrep bench node, {n} rank(s) via {placement.launcher} on {platform.node()}",
         },
