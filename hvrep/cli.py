@@ -79,6 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train a ResNet on every rank (see `hvrep train --help`)", add_help=False)
     sub.add_parser("bench", help="throughput benchmark and scaling sweep (see `hvrep bench --help`)",
                    add_help=False)
+    sub.add_parser("plan", help="predict step time and scaling per scheme from a node profile and a cluster (see "
+                   "`hvrep plan --help`)", add_help=False)
     sub.add_parser("report", help="scaling report from run dirs / benchmark results (see `hvrep report --help`)",
                    add_help=False)
     sub.add_parser("netbed", help="several hosts on this machine: network namespaces on shaped links (root; "
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         from hvrep.perf.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:  # pure Python: no TensorFlow imported
+        from hvrep.perf.plan import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["report"]:
         from hvrep.perf.report import main as report_main
 

@@ -1,4 +1,4 @@
-"""Throughput benchmarks and the scaling sweep: ``hvrep bench throughput|scaling``.
+"""Throughput benchmarks and the scaling sweep: ``hvrep bench throughput|scaling`` (``node``: nodebench.py).
 
     hvrep bench scaling --ranks 1,2 --launcher horovodrun --out results/scaling.jsonl
     hvrep report results/scaling.jsonl
@@ -297,8 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--dry-run", action="store_true", help="print the commands only")
     s.add_argument("--threads-per-rank", type=int, default=None,
                    help="cap TF's threads per rank; 1 on a CPU machine makes 1 rank use one core")
+    nd = sub.add_parser("node", help="profile this node for `hvrep plan` (run under the launcher, one rank per "
+                        "device; see hvrep/perf/nodebench.py)")
+    nd.add_argument("--model", choices=("small_resnet", "resnet50"), default="small_resnet")
+    nd.add_argument("--per-replica-batch", type=int, default=32)
+    nd.add_argument("--image-size", type=int, default=32)
+    nd.add_argument("--data", default=None, help="time hvrep's input pipeline on this folder (default: synthetic)")
+    nd.add_argument("--max-bytes", type=int, default=None, help="largest all-reduce (default 256 MB; --quick 1 MB)")
+    nd.add_argument("--quick", action="store_true", help="a few sizes and repeats: seconds, for tests")
+    nd.add_argument("--out", type=Path, default=Path("results/node-profile.json"))
     args = parser.parse_args(argv)
     try:
+        if args.what == "node":
+            from hvrep.perf.nodebench import main as node_main
+
+            return node_main(args)
         if args.what == "throughput":
             records = throughput(args.model, args.per_replica_batch, args.image_size, args.steps, args.warmup,
                                  threads_per_rank=args.threads_per_rank)
