@@ -410,12 +410,28 @@ def build(config: str, overrides: list[str] | None = None) -> RunConfig:
     """A preset name or a JSON file (``{"train.global_batch": 4096, ...}`` on top of a ``"preset"``), then overrides."""
     path = Path(config)
     if path.suffix == ".json" and path.is_file():
-        spec = json.loads(path.read_text())
+        spec = _read_json(path)
         base = preset(spec.pop("preset", "resnet50_imagenet"))
         cfg = apply_overrides(base, spec)
     else:
         cfg = preset(config)
     return apply_overrides(cfg, parse_overrides(overrides or []))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON config file's settings; a file that is not a JSON object is one ConfigError naming where."""
+    try:
+        spec = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path}: line {e.lineno}, column {e.colno}: {e.msg}. Fix: correct the JSON "
+                          "there (keys and strings in double quotes, no trailing comma), e.g. "
+                          '{"preset": "demo", "train.epochs": 5}.') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path} cannot be read ({e}). Fix: a readable UTF-8 JSON file.") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--config {path} holds a JSON {type(spec).__name__}, not an object of settings. Fix: "
+                          '{"preset": "demo", "train.epochs": 5} (a preset and section.key settings).')
+    return spec
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
