@@ -223,6 +223,22 @@ class ElasticConfig:
             raise ConfigError(f"elastic.min_np={self.min_np} is above elastic.max_np={self.max_np}. Fix: give "
                               "horovodrun's --min-np and --max-np.")
 
+    def unused_warning(self, global_batch: int) -> str | None:
+        """Outside horovodrun's elastic driver: what to tell a user who gave elastic settings (they are ignored
+        there), with what :meth:`check_batch` would refuse under it; None when every setting is its default."""
+        given = [f"elastic.{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                 if getattr(self, f.name) != f.default]
+        if not given:
+            return None
+        msg = (f"{' '.join(given)}: elastic settings apply only under horovodrun's elastic driver (horovodrun "
+               "--min-np A --max-np B --host-discovery-script S); this launch is not elastic and ignores them.")
+        if self.min_np is not None and self.max_np is not None:
+            try:
+                self.check_batch(global_batch)
+            except ConfigError as e:
+                msg += f" Under the driver it would stop: {e}"
+        return msg
+
     def check_batch(self, global_batch: int) -> None:
         """Refuses a global batch some world size in [min_np, max_np] does not divide.
 
