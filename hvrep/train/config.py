@@ -118,8 +118,9 @@ class TrainConfig:
         where several ranks share a node that no launcher bound them on. A process a launcher or Slurm has
         bound already keeps its binding. false for two independent jobs on one node (both would bind to the
         first cores).
-      loop: "custom" (hvrep's loop: ``controller.py``, resumable, signal-aware) or "fit" (Keras' ``model.fit``
-        through ``hvrep.keras``: ``fitloop.py``; no --resume, no gradient accumulation).
+      loop: "custom" (hvrep's loop: ``controller.py``) or "fit" (Keras' ``model.fit`` through ``hvrep.keras``:
+        ``fitloop.py``; no gradient accumulation, local SGD or elastic driver). Both resume (--resume) from
+        either loop's checkpoints and stop cleanly on a signal.
       mllog: write an MLPerf Training log (``mlperf_logging.mllog`` lines) of the run to this file, from the
         chief only (``hvrep/train/mlperf.py``, docs/mlperf.md). An existing file is refused; a ``--resume``d
         attempt writes the next free ``<stem>.<k><suffix>`` (k = 2, 3 ...). None (default): no MLPerf log.
