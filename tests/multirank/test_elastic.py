@@ -8,7 +8,8 @@ the replica API and hvrep.elastic.run, has rank 0 SIGKILLed mid-epoch, a host ad
 one launch (see its docstring). Checked from what the workers wrote: the survivor trained again within 30 s of
 the kill, rolled back to its last commit (2 steps), the joining worker and the dropped one caused no rollback,
 every worker held the same weights after each sync, and each epoch trained every sample of its steps once
-(the rolled-back steps' samples once more, after the rollback, and no others).
+(the rolled-back steps' samples once more, after the rollback, and no others); the dropped worker said so
+in one line and exited 0.
 
 `hvrep train --config demo` under the same driver, started by `hvrep launch`: the test SIGKILLs rank 1
 mid-epoch; the chief goes on alone within 30 s with the global batch kept, records the reset in metrics.jsonl
@@ -181,5 +182,8 @@ def test_replica_api_kill_join_and_drop(launches):
     got = launches["api"]
     assert "error" not in got, got.get("error")
     assert got["rc"] == 0, got["log"][-6000:]
+    # The dropped worker says so in one line and exits 0 (Horovod's C++ exception aborted it: exit 134).
+    assert "terminate called" not in got["log"], got["log"][-6000:]
+    assert "hvrep: elastic worker: the elastic driver dropped this worker" in got["log"], got["log"][-6000:]
     elastic_checks.check_replica_api(elastic_checks.jsonl(got["out"].glob("trained.*.jsonl")), [(2, 1), (1, 2), (2, 1)],
                                      global_batch=8)
