@@ -56,7 +56,7 @@ def test_jpeg_folders_read_as_tfrecords_suggest_data_format_folder(jpegs, tmp_pa
     folder = jpegs / "demo-data" / "folder"
     flat = tmp_path / "flat"
     flat.mkdir()
-    for f in sorted((folder / "train").glob("*/*.jpg"))[:3]:
+    for f in sorted(f for f in (folder / "train").glob("*/*") if f.suffix.lower() in (".jpg", ".jpeg"))[:3]:
         (flat / f.name).write_bytes(f.read_bytes())
     # The demo's own folder (hvrep data demo's layout, under hvrep's cache), a split folder, a flat folder.
     cases = {folder: f"data.data_dir={folder} holds JPEG folders",
