@@ -243,6 +243,16 @@ def _finish(summary: dict[str, Any], metrics: Any, n: int) -> dict[str, Any]:
     return summary
 
 
+def _warn_elastic_settings(cfg: configs.RunConfig) -> None:
+    """Elastic settings outside horovodrun's elastic driver: a warning from the first rank (before TensorFlow)."""
+    from hvrep import _env, resolve_placement
+
+    if _env.horovod_elastic() or resolve_placement().rank != 0:
+        return
+    if (warning := cfg.elastic.unused_warning(cfg.train.global_batch)) is not None:
+        print(f"hvrep train: warning: {warning}", file=sys.stderr)
+
+
 def _skipped_files(cfg: configs.RunConfig) -> dict[str, list[str]]:
     """The images ``data.on_error=skip`` leaves out, per split (the tf.data pipeline's check; DALI logs its own)."""
     if cfg.data.backend != "tfdata":
@@ -334,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(json.dumps(configs.to_dict(cfg), indent=2))
             return EXIT_OK.code
+        _warn_elastic_settings(cfg)
         rundir.check_data_dir(cfg.data)
         rundir.check_output_dir(cfg.output_dir, args.resume, args.overwrite)
         mlperf.log_path(cfg, args.resume, args.overwrite)
