@@ -8,15 +8,18 @@ the replica API and hvrep.elastic.run, has rank 0 SIGKILLed mid-epoch, a host ad
 one launch (see its docstring). Checked from what the workers wrote: the survivor trained again within 30 s of
 the kill, rolled back to its last commit (2 steps), the joining worker and the dropped one caused no rollback,
 every worker held the same weights after each sync, and each epoch trained every sample of its steps once
-(the rolled-back steps' samples once more, after the rollback, and no others).
+(the rolled-back steps' samples once more, after the rollback, and no others). It accumulates 2 steps per
+update through PowerSGD of rank 1 (its commits fall mid-update): the final weights equal a one-process replay
+of the kept steps to 1e-5, so the rollback put back the accumulated gradients and PowerSGD's state.
 
-`hvrep train --config demo` under the same driver: the test SIGKILLs rank 1 mid-epoch; the chief goes on
-alone within 30 s with the global batch kept, records the reset in metrics.jsonl (why, worlds, steps rolled
-back, seconds lost) and finishes with exit 0 at the demo's accuracy (>= 97%).
+`hvrep train --config demo` under the same driver, accumulating 2 steps of 32: the test SIGKILLs rank 1
+mid-epoch; the chief goes on alone within 30 s with the global batch kept, records the reset in metrics.jsonl
+(why, worlds, steps rolled back, seconds lost) and finishes with exit 0 at the demo's accuracy (>= 97%), its
+micro-step rolled back with its step.
 
-model.fit with hvrep.keras.DistributedOptimizer and the elastic callbacks (elastic_fit_worker.py): rank 0
-SIGKILLed at epoch 1, batch 8; the survivor rolls back to the commit after batch 5, trains the rest of that
-epoch and the others, and exits 0 with the toy problem learnt.
+model.fit with hvrep.keras.DistributedOptimizer (PowerSGD) and the elastic callbacks (elastic_fit_worker.py):
+rank 0 SIGKILLed at epoch 1, batch 8; the survivor rolls back to the commit after batch 5 (PowerSGD's step
+counter too), trains the rest of that epoch and the others, and exits 0 with the toy problem learnt.
 
 A hung worker (SIGSTOP, elastic_fit_worker.py --stop-test, comm.timeout_s=8): hvrep's watchdog ends only the
 stopped worker, and the other goes on alone and exits 0 (without elasticity every rank ends, exit 75).
