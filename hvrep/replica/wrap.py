@@ -70,6 +70,13 @@ class CrossReplicaOptimizer:
         if self._config.compression == "powersgd" and self.powersgd is None:
             self.powersgd = PowerSGDState(list(variables), self._config, self._num_replicas)
 
+    @property
+    def built(self) -> bool:
+        """Whether :meth:`build` has run: the wrapped optimizer, and the accumulators and PowerSGD state that this
+        configuration needs, exist."""
+        return bool(self.inner.built) and (self.accumulation_steps == 1 or self.accumulation is not None) and \
+            (self._config.compression != "powersgd" or self.powersgd is not None)
+
     def _reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         if self._config.compression == "powersgd":
             self.build(variables)

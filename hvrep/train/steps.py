@@ -74,6 +74,13 @@ class Runner:
         return loss, grads, correct
 
     @property
+    def update_optimizer(self) -> Any:
+        """What applies the updates: ``repl.wrap_optimizer``'s wrapper (accumulation, PowerSGD, local SGD), or the
+        optimizer itself. Its variables and carried state are what a step hands to the next (the elastic state
+        tracks them)."""
+        return self._applier if self._applier is not None else self.optimizer
+
+    @property
     def accumulation(self) -> Any:
         """The gradient-accumulation state to checkpoint (``hvrep.replica.wrap.AccumulationState``), or None."""
         return self._applier.accumulation if self._applier is not None else None
