@@ -100,7 +100,7 @@ def throughput(model_name: str = "small_resnet", per_replica_batch: int = 32, im
         return models.small_resnet(num_classes, (image_size, image_size, 3))
 
     data_cfg = DataConfig("synthetic", image_size=image_size, resize_size=image_size, seed=seed)
-    batches = synthetic_dataset(data_cfg, batch_size=per_replica_batch, num_classes=num_classes).prefetch(2)
+    batches = synthetic_dataset(data_cfg, per_replica_batch_size=per_replica_batch, num_classes=num_classes).prefetch(2)
     it = iter(batches)
     x, y = next(it)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -96,7 +96,8 @@ class TrainConfig:
     """The loop.
 
     Attributes:
-      global_batch: images per step over all replicas (divides by the replicas).
+      global_batch: images per step over all replicas (divides by the replicas); times
+        ``comm.accumulation_steps`` it is the batch per update that picks the recipe and its LR.
       epochs: epochs to train (None: the recipe's).
       eval_every: evaluate every this many epochs (and at the end).
       target_accuracy: stop once validation top-1 reaches it (MLPerf: 0.759); None: never.

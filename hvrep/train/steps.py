@@ -210,7 +210,8 @@ class Evaluator:
         totals = [0, 0]
         with data_errors(data, "val"):
             for x, y in self.repl.distribute_dataset(
-                    lambda ctx: make_dataset(data, "val", ctx, batch_size=per_replica_batch, threads=threads)):
+                    lambda ctx: make_dataset(data, "val", ctx, per_replica_batch_size=per_replica_batch,
+                                             threads=threads)):
                 counts = self.repl.reduce(self.repl.run(self._eval_step, args=(x, y)), "sum")
                 totals[0] += int(counts[0])
                 totals[1] += int(counts[1])
