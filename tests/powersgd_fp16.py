@@ -58,13 +58,14 @@ def _loss(model: keras.Model, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     return tf.reduce_mean(tf.square(model(x, training=True) - y))  # = keras' "mse"
 
 
-def reference(workers: int, powersgd_rank: int | None, skip: tuple[int, ...] = (OVERFLOW_STEP,)
-              ) -> tuple[list[np.ndarray], Algorithm1 | None]:
+def reference(workers: int, powersgd_rank: int | None, skip: tuple[int, ...] = (OVERFLOW_STEP,),
+              start_step: int = 0) -> tuple[list[np.ndarray], Algorithm1 | None]:
     """The weights after STEPS steps but ``skip``, unscaled, each step's gradients reduced by Algorithm 1 at
-    ``powersgd_rank`` (None: their mean); and the Algorithm1 (its errors and Q's)."""
+    ``powersgd_rank`` (None: their mean; exact before ``start_step`` steps were taken); and the Algorithm1 (its
+    errors and Q's)."""
     x, y = data(workers)
     model, opt = make_model(), make_optimizer()
-    algorithm = Algorithm1(SHAPES, workers, powersgd_rank) if powersgd_rank else None
+    algorithm = Algorithm1(SHAPES, workers, powersgd_rank, start_step=start_step) if powersgd_rank else None
     for t in range(STEPS):
         if t in skip:
             continue

@@ -141,14 +141,16 @@ def _check_powersgd_state(repl, run, algorithm) -> None:
 
 
 def case_powersgd_fp16_an_overflow_on_one_rank_is_skipped_on_both_in_the_custom_loop():
-    # Rank 1 alone overflows at step 1: both skip it, the state stays as it was and the same on both ranks.
-    def check(repl):
-        run = f16.custom_loop(repl, overflow=(1,))
-        want, algorithm = f16.reference(2, 1)
-        _check_one_ranks_overflow_skipped_on_both(repl, run, want)
-        _check_powersgd_state(repl, run, algorithm)
+    # Rank 1 alone overflows at step 1: both skip it, the state stays as it was and the same on both ranks. With
+    # a start step of 3 the overflow comes in the exact phase (horovod's tf.cond takes the exact branch).
+    for start_step in (0, 3):
+        def check(repl, start_step=start_step):
+            run = f16.custom_loop(repl, overflow=(1,))
+            want, algorithm = f16.reference(2, 1, start_step=start_step)
+            _check_one_ranks_overflow_skipped_on_both(repl, run, want)
+            _check_powersgd_state(repl, run, algorithm)
 
-    _with(f16.config(), check)
+        _with(f16.config(powersgd_start_step=start_step), check)
 
 
 def case_powersgd_fp16_an_overflow_on_one_rank_is_skipped_on_both_in_keras_fit():

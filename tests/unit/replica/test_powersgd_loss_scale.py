@@ -66,6 +66,16 @@ def test_wrap_optimizer_skips_the_overflow_step_and_powersgd_goes_on_as_if_it_ne
     assert f16.max_difference(run.weights, want) <= 1e-5, f16.max_difference(run.weights, want)
 
 
+def test_an_overflow_before_the_start_step_is_skipped_and_not_counted(make_repl):
+    # Exact reductions until 3 finite steps were taken: the skipped one is not one of them.
+    repl = make_repl(f16.config(powersgd_start_step=3))
+    run = f16.custom_loop(repl, overflow=(0,))
+    want, algorithm = f16.reference(2, 1, start_step=3)
+    _check_skipped_once(run)
+    _check_powersgd_state(repl, run, algorithm)
+    assert f16.max_difference(run.weights, want) <= 1e-5, f16.max_difference(run.weights, want)
+
+
 def test_keras_fit_skips_the_overflow_step_on_both_replicas_and_goes_on_as_if_it_never_came(make_repl):
     repl = make_repl(f16.config())
     run = f16.fit(repl, overflow=(0,))
