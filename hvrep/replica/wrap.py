@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import tensorflow as tf
+from keras.optimizers import LossScaleOptimizer
 
 from hvrep.replica import collectives
 from hvrep.replica.comm import CommConfig
@@ -80,7 +81,8 @@ class CrossReplicaOptimizer:
     def _reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         if self._config.compression == "powersgd":
             self.build(variables)
-        return collectives.all_reduce(grads, "mean", compress=True, powersgd=self.powersgd)
+        return collectives.all_reduce(grads, "mean", compress=True, powersgd=self.powersgd,
+                                      loss_scale=loss_scale(self.inner))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
@@ -140,6 +142,12 @@ class CrossReplicaOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def loss_scale(optimizer: Any) -> Any:
+    """The factor the gradients ``optimizer`` applies carry: a ``LossScaleOptimizer``'s ``dynamic_scale`` (it
+    divides by it in its ``apply``), else None. PowerSGD keeps its error feedback in unscaled units by it."""
+    return optimizer.dynamic_scale if isinstance(optimizer, LossScaleOptimizer) and optimizer.built else None
 
 
 def apply_locally(optimizer: Any, local_sgd: Any, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:
