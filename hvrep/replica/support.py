@@ -227,7 +227,8 @@ def check(settings: Iterable[Setting], where: str, app: bool = False) -> None:
 
     Args:
       settings: what the caller knows.
-      where: what is being built ("CommConfig", "hvrep train"), for the message.
+      where: what is being built ("CommConfig", "Replicator"), for the message; "" for none (hvrep train's
+        messages start with its name already).
       app: include hvrep train's own limits.
     """
     given = {s.axis: s for s in settings}
@@ -236,7 +237,7 @@ def check(settings: Iterable[Setting], where: str, app: bool = False) -> None:
         return
     labels = [given[axis].label for axis, _ in rule.when]
     what = f"{labels[0]} is not supported" if len(labels) == 1 else f"{' with '.join(labels)} cannot be combined"
-    raise ConfigError(f"{where}: {what}: {rule.reason}. Fix: {rule.fix}.")
+    raise ConfigError(f"{where + ': ' if where else ''}{what}: {rule.reason}. Fix: {rule.fix}.")
 
 
 # ---- classifying a caller's values ------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ def check_combinations(cfg: RunConfig, elastic: bool = False) -> None:
                    support.Setting("optimizer", family, f"optim.optimizer={o.optimizer}"),
                    support.Setting("clipping", ("none",), "no clipping"),
                    support.count("steps_per_loop", t.steps_per_loop, f"train.steps_per_loop={t.steps_per_loop}"),
-                   *support.comm_settings(cfg.comm, "comm.")], "hvrep train", app=True)
+                   *support.comm_settings(cfg.comm, "comm.")], "", app=True)
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
