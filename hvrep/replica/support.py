@@ -401,5 +401,5 @@ def pairwise_cases(app: bool = False, fixed: Mapping[str, Iterable[str]] | None 
         covered = {((a, case[a]), (b, case[b])) for i, a in enumerate(axes) for b in axes[i + 1:]}
         assert covered & missing, case
         missing -= covered
-        cases.append(case)
+        cases.append({a: case[a] for a in axes})
     return cases
