@@ -57,12 +57,17 @@ def render() -> str:
         f"{label} {support.reference(c).tolerance:g} {'relative' if support.reference(c).relative else 'absolute'}"
         for label, c in (("fp32", {}), ("fp16 (precision or compression)", {"precision": "fp16"}),
                          ("bf16 (precision or compression)", {"precision": "bf16"}))) + ".", ""]
-    cases = support.pairwise_cases()
+    cases = support.tested_cases()
     axes = list(support.AXES)
+    gaps = "; ".join(f"{rule_settings(r)}: {r.reason}" for r in support.NOT_TESTABLE)
     parts += ["## The combinations the test trains", "",
               f"A covering array of {len(cases)} accepted combinations in which every pair of two settings' values "
-              "that some accepted combination holds appears at least once (`hvrep.replica.support.pairwise_cases`"
-              ", greedy and deterministic).", "",
+              "that some accepted combination holds appears at least once (`hvrep.replica.support.tested_cases`, "
+              "greedy and deterministic), over the backends this project's machines run "
+              f"({', '.join(support.TESTED_BACKENDS)}: no TPU here). Not trained: {gaps}. "
+              "Each case runs where its backend does: in-graph on 2 logical CPU devices, and on 2 ranks under "
+              "`mpirun` and `horovodrun --gloo` (one launch each), for 4 updates; fp16 cases with an overflow at "
+              "the second update that must be skipped.", "",
               "| # | " + " | ".join(axes) + " | reference |", "|" + "---|" * (len(axes) + 2)]
     for i, case in enumerate(cases, 1):
         ref = support.reference(case)

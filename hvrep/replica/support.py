@@ -329,6 +329,22 @@ def optimizer_settings(optimizer: Any, policy: str | None = None) -> list[Settin
             Setting("precision", (precision,), f"precision={precision}")]
 
 
+# What the combination test can train on this project's machines (a 2-core CPU machine): no TPU, and one launch
+# has one world, so a resume at another world size goes on in an in-graph Replicator, which refuses accumulation.
+TESTED_BACKENDS = ("horovod-mpi", "horovod-gloo", "local")
+NOT_TESTABLE: tuple[Rule, ...] = (
+    Rule((("accumulation", ("k",)), ("resume", ("other-world",))),
+         "the test's other world is an in-graph Replicator of one process, which refuses accumulation", ""),
+)
+
+
+def tested_cases() -> list[dict[str, str]]:
+    """The covering array the combination test trains: :func:`pairwise_cases` over the backends it can run
+    (``TESTED_BACKENDS``) less ``NOT_TESTABLE``; each case runs where its backend does (in-graph, mpirun,
+    horovodrun --gloo)."""
+    return pairwise_cases(fixed={"backend": TESTED_BACKENDS}, also_refuse=NOT_TESTABLE)
+
+
 def all_combinations() -> Iterable[dict[str, str]]:
     """Every combination of every axis's values (for the tests: a few hundred thousand; iterate, do not list)."""
     axes = list(AXES)
@@ -350,18 +366,21 @@ def refused_pairs(app: bool = False) -> list[tuple[tuple[str, str], tuple[str, s
     return out
 
 
-def pairwise_cases(app: bool = False, fixed: Mapping[str, Iterable[str]] | None = None) -> list[dict[str, str]]:
+def pairwise_cases(app: bool = False, fixed: Mapping[str, Iterable[str]] | None = None,
+                   also_refuse: tuple[Rule, ...] = ()) -> list[dict[str, str]]:
     """A covering array: accepted combinations such that every pair of two axes' values that some accepted
     combination holds appears in at least one case. Greedy and deterministic (AETG-like: each new case is built
     value by value, taking the value that covers the most pairs still missing, ties to the table's order).
 
-    ``fixed``: axis -> the only values allowed there (e.g. the backends one launch can run).
+    ``fixed``: axis -> the only values allowed there (e.g. the backends one launch can run); ``also_refuse``:
+    rules of what a test cannot run there, left out like refused combinations.
     """
     axes = list(AXES)
     domain = {a: tuple(v for v in AXES[a] if not fixed or a not in fixed or v in tuple(fixed[a])) for a in axes}
 
     def ok(partial: dict[str, str]) -> bool:
-        return refusal({a: (v,) for a, v in partial.items()}, app) is None
+        combo = {a: (v,) for a, v in partial.items()}
+        return refusal(combo, app) is None and not any(r.matches(combo) for r in also_refuse)
 
     def completable(partial: dict[str, str]) -> bool:
         # Depth-first search for a full accepted combination extending `partial` (rules name <= 3 axes, so
