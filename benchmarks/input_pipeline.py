@@ -355,7 +355,7 @@ def _pipeline_case(backend: str, fmt: str, data_dir: Path, batch: int, cores: in
     # One batch more than that means it does not stop, and is an error, not a hang.
     limit = math.ceil(images / batch)
     try:
-        dataset = make_dataset(config, "train", batch_size=batch, training=True)
+        dataset = make_dataset(config, "train", per_replica_batch_size=batch, training=True)
     except Exception as e:  # DALI may be missing or broken; the other cases still run
         case.error = f"building the dataset: {type(e).__name__}: {e}".strip()[:2000]
         return case

@@ -62,7 +62,8 @@ def _launch(args: argparse.Namespace) -> int:
     spec = launch.LaunchSpec(
         np=args.np, command=tuple(command), hosts=hosts, launcher=args.launcher, bind=args.bind, gloo=args.gloo,
         allow_run_as_root=args.allow_run_as_root, overcommit=args.overcommit,
-        extra=tuple(shlex.split(args.launcher_args)),
+        extra=tuple(shlex.split(args.launcher_args)), min_np=args.min_np, max_np=args.max_np,
+        host_discovery_script=args.host_discovery_script,
     )
     if args.dry_run:
         print(launch.format_argv(spec))
@@ -79,6 +80,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train a ResNet on every rank (see `hvrep train --help`)", add_help=False)
     sub.add_parser("bench", help="throughput benchmark and scaling sweep (see `hvrep bench --help`)",
                    add_help=False)
+    sub.add_parser("plan", help="predict step time and scaling per scheme from a node profile and a cluster (see "
+                   "`hvrep plan --help`)", add_help=False)
     sub.add_parser("report", help="scaling report from run dirs / benchmark results (see `hvrep report --help`)",
                    add_help=False)
     sub.add_parser("netbed", help="several hosts on this machine: network namespaces on shaped links (root; "
@@ -129,6 +132,11 @@ def _build_parser() -> argparse.ArgumentParser:
                    "waits forever), mpirun --map-by slot:OVERSUBSCRIBE")
     p.add_argument("--launcher-args", default="", metavar="ARGS",
                    help="more launcher arguments, one shell-quoted string, e.g. '--mca btl_tcp_if_include eth0'")
+    p.add_argument("--min-np", type=int, default=None, help="elastic (horovodrun): the smallest world size")
+    p.add_argument("--max-np", type=int, default=None, help="elastic (horovodrun): the largest world size")
+    p.add_argument("--host-discovery-script", default=None, metavar="S",
+                   help="elastic (horovodrun): an executable printing the hosts (host:slots lines); an elastic "
+                   "launch of hvrep train is checked against --min-np/--max-np before it starts")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the program every rank runs")
     p.set_defaults(func=_launch)
@@ -145,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         from hvrep.perf.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:  # pure Python: no TensorFlow imported
+        from hvrep.perf.plan import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["report"]:
         from hvrep.perf.report import main as report_main
 

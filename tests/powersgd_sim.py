@@ -46,26 +46,33 @@ def _gram_schmidt(p: np.ndarray) -> np.ndarray:
     return out
 
 
-def simulate(grads, rank: int, error_feedback: bool = True, warm_start: bool = True,
-             start_step: int = 0) -> list[list[np.ndarray]]:
-    """What every worker receives at each step: out[step][variable] (float64); before ``start_step`` the exact
-    mean (PyTorch's start_powerSGD_iter)."""
-    workers = len(grads[0])
-    plans = [powersgd_matrix(s, rank, 0) for s in SHAPES]
-    errors = [[None if p is None else np.zeros(p[:2]) for p in plans] for _ in range(workers)]
-    qs = [None if p is None else np.zeros((p[1], p[2])) for p in plans]
-    out = []
-    for t in range(STEPS):
+class Algorithm1:
+    """Algorithm 1 for ``workers`` workers, one step at a time: :meth:`step` takes every worker's gradients of
+    ``shapes`` and returns what every worker receives; ``errors[w][i]`` and ``qs[i]`` are its state (float64)."""
+
+    def __init__(self, shapes, workers: int, rank: int, error_feedback: bool = True, warm_start: bool = True,
+                 start_step: int = 0) -> None:
+        self.shapes, self.workers, self.error_feedback, self.warm_start = list(shapes), workers, error_feedback, \
+            warm_start
+        self.start_step, self.t = start_step, 0
+        self.plans = [powersgd_matrix(s, rank, 0) for s in self.shapes]
+        self.errors = [[None if p is None else np.zeros(p[:2]) for p in self.plans] for _ in range(workers)]
+        self.qs = [None if p is None else np.zeros((p[1], p[2])) for p in self.plans]
+
+    def step(self, grads) -> list[np.ndarray]:
+        """``grads[worker][variable]`` -> the reduced gradient of every variable (float64); before
+        ``start_step`` the exact mean (PyTorch's start_powerSGD_iter)."""
+        errors, qs, t = self.errors, self.qs, self.t
         step_out = []
-        for i, p in enumerate(plans):
-            gs = [np.asarray(grads[t][w][i], np.float64) for w in range(workers)]
-            if p is None or t < start_step:
+        for i, p in enumerate(self.plans):
+            gs = [np.asarray(grads[w][i], np.float64) for w in range(self.workers)]
+            if p is None or t < self.start_step:
                 step_out.append(np.mean(gs, axis=0))
                 continue
             rows, cols, r = p
-            ms = [g.reshape(rows, cols) + (errors[w][i] if error_feedback else 0) for w, g in enumerate(gs)]
+            ms = [g.reshape(rows, cols) + (errors[w][i] if self.error_feedback else 0) for w, g in enumerate(gs)]
             draw = powersgd.random_q(cols, r, i, t).numpy().astype(np.float64)
-            if warm_start:
+            if self.warm_start:
                 q = qs[i].copy()
                 norms = np.linalg.norm(q, axis=0)
                 bad = ~(norms > 1e-6 * norms.max())  # a column with no direction is redrawn
@@ -75,12 +82,20 @@ def simulate(grads, rank: int, error_feedback: bool = True, warm_start: bool = T
             p_hat = _gram_schmidt(np.mean([m @ q for m in ms], axis=0))
             q = np.mean([m.T @ p_hat for m in ms], axis=0)
             approx = p_hat @ q.T
-            for w in range(workers):
+            for w in range(self.workers):
                 errors[w][i] = ms[w] - approx
             qs[i] = q
-            step_out.append(approx.reshape(SHAPES[i]))
-        out.append(step_out)
-    return out
+            step_out.append(approx.reshape(self.shapes[i]))
+        self.t += 1
+        return step_out
+
+
+def simulate(grads, rank: int, error_feedback: bool = True, warm_start: bool = True,
+             start_step: int = 0) -> list[list[np.ndarray]]:
+    """What every worker receives at each step: out[step][variable] (float64); before ``start_step`` the exact
+    mean (PyTorch's start_powerSGD_iter)."""
+    algorithm = Algorithm1(SHAPES, len(grads[0]), rank, error_feedback, warm_start, start_step)
+    return [algorithm.step(grads[t]) for t in range(STEPS)]
 
 
 def replicated(repl: hvrep.Replicator, grads, state=None) -> tuple[list[list[list[np.ndarray]]], object, int]:

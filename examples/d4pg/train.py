@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,9 @@ class AppConfig:
       output_dir: metrics, actor logs and checkpoints go here.
       env: a continuous-control gymnasium environment id (a Box action space).
       steps: learner steps (each on the global batch).
-      batch: transitions per replica and learner step (the global batch is batch x replicas).
+      per_replica_batch: transitions per replica and learner step (the global batch is per_replica_batch x
+        replicas: each replica samples its own replay). The setting's old name ``batch=`` still works, with a
+        DeprecationWarning (docs/large-batch.md#which-batch-which-learning-rate).
       actors_per_rank: actor processes per learner rank (None: max(1, the node's cores less its learner ranks,
         shared among them)).
       actor_steps_per_sec: each actor's cap on environment steps per second (0: none). Actors that run flat out
@@ -65,7 +68,7 @@ class AppConfig:
     output_dir: str = "runs/d4pg"
     env: str = "Pendulum-v1"
     steps: int = 20000
-    batch: int = 256
+    per_replica_batch: int = 256
     actors_per_rank: int | None = None
     actor_steps_per_sec: float = 250.0
     sigma: float = 0.2
@@ -83,7 +86,7 @@ class AppConfig:
     agent: D4PGConfig = dataclasses.field(default_factory=D4PGConfig)
 
     def __post_init__(self) -> None:
-        for name in ("batch", "n_step", "publish_every", "eval_episodes", "replay_size"):
+        for name in ("per_replica_batch", "n_step", "publish_every", "eval_episodes", "replay_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.actors_per_rank is not None and self.actors_per_rank < 1:
@@ -96,14 +99,40 @@ class AppConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}.")
 
+    @property
+    def batch(self) -> int:
+        """Deprecated: ``per_replica_batch`` (the same value)."""
+        warnings.warn("AppConfig.batch is deprecated: it is the batch per replica; read per_replica_batch.",
+                      DeprecationWarning, stacklevel=2)
+        return self.per_replica_batch
+
+
+# Settings renamed so that a batch says whether it is global or per replica: old name -> new name (same meaning).
+RENAMED = {"batch": "per_replica_batch"}
+
 
 def config(overrides: Sequence[str]) -> AppConfig:
     """``AppConfig`` with ``key=value`` / ``agent.key=value`` overrides applied (``agent.hidden=256,256``).
 
+    A renamed setting's old name (``RENAMED``) is read as the new one, with a DeprecationWarning.
+
     Raises:
-      hvrep.errors.ConfigError: an unknown key or a value of the wrong type.
+      hvrep.errors.ConfigError: an unknown key, a value of the wrong type, or a setting given by both names.
     """
-    return apply_settings(AppConfig(), overrides, section="agent")
+    items = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not (sep and key in RENAMED):
+            items.append(item)
+            continue
+        new = RENAMED[key]
+        # stacklevel=1: attributed to this module, which is __main__ under ``python -m``, so Python shows it.
+        warnings.warn(f"d4pg: the setting {key}= is deprecated: it counts transitions per replica; write "
+                      f"{new}={value} (the same value).", DeprecationWarning, stacklevel=1)
+        if any(o.partition("=")[0] == new for o in overrides):
+            raise ConfigError(f"{item!r} and {new}= are the same setting. Fix: give {new}= only.")
+        items.append(f"{new}={value}")
+    return apply_settings(AppConfig(), items, section="agent")
 
 
 def env_spec(env_id: str) -> tuple[int, int, np.ndarray, np.ndarray]:
@@ -173,7 +202,7 @@ class _App:
         self.metrics, self.step, self.out = metrics, step, out
         self.rng = np.random.default_rng(cfg.seed + 7919 * repl.rank)
         self.sampled = 0
-        self.rows_per_step = cfg.batch * agent.local_replicas
+        self.rows_per_step = cfg.per_replica_batch * agent.local_replicas
         self.restarts = 0
         self._pid_file = out / "actors" / f"rank{repl.rank}.pids"
         self._write_pids()
@@ -297,7 +326,8 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
                       actors_per_rank=actors, resumed_from=str(resumed) if resumed else None, cpu_budget=budget,
                       replay="starts empty" + (" (a resumed run does not keep the replay)" if resumed else ""))
         metrics.say(f"d4pg: {cfg.env}, {n} learner replica(s) ({repl.backend}), {actors} actor(s) per rank, batch "
-                    f"{cfg.batch} per replica, {cfg.steps} learner steps"
+                    f"{cfg.per_replica_batch} per replica ({cfg.per_replica_batch * n} global), {cfg.steps} learner "
+                    "steps"
                     + (f", resumed from {resumed} at step {int(step.numpy())}" if resumed else ""))
         app = _App(cfg, repl, agent, replay, board, pool, metrics, int(step.numpy()), out)
         restarts_seen = 0
@@ -320,7 +350,8 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
         loop = LoopConfig(max_steps=cfg.steps, steps_per_loop=cfg.steps_per_loop, eval_every=cfg.eval_every,
                           checkpoint_every=cfg.checkpoint_every)
         result = run_loop(_Logged(), loop, repl=repl, step=step, checkpoints=ckpt, metrics=metrics,
-                          metadata=lambda: {"world_size": n, "batch": cfg.batch, "env": cfg.env})
+                          metadata=lambda: {"world_size": n, "per_replica_batch": cfg.per_replica_batch,
+                                            "global_batch": cfg.per_replica_batch * n, "env": cfg.env})
     finally:
         pool.close()
         for f in folder.iterdir():

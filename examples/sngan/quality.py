@@ -56,7 +56,7 @@ def _classifier() -> keras.Model:
 def images(data: DataConfig, split: str) -> tuple[np.ndarray, np.ndarray]:
     """A split's images (N, 32, 32, 3) as the GAN sees them, and labels (N,), in listing order."""
     xs, ys = [], []
-    for x, y in make_dataset(data, split, batch_size=256, training=False):
+    for x, y in make_dataset(data, split, per_replica_batch_size=256, training=False):
         keep = y.numpy() >= 0  # evaluation pads the last batch with label -1
         xs.append(x.numpy()[keep])
         ys.append(y.numpy()[keep])

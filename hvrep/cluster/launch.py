@@ -57,6 +57,12 @@ The choices, and where they come from:
   ``none`` ("Executable: none"); hvrep's Horovod install fixes that line
   (``hvrep.compat.build_horovod.RUNNER_PATCH``), and ``--binding-args`` keeps
   a Horovod installed otherwise working too.
+* **Elastic (horovodrun only)**: ``host_discovery_script`` with ``min_np``/``max_np`` starts Horovod's
+  elastic driver (``--min-np A --max-np B --host-discovery-script S``, no ``-H``: the script names the
+  hosts). When every rank runs ``hvrep train``, :func:`run` checks its configuration against the launch's
+  world sizes first (:func:`check_train_command`): under the driver the ranks' one-line error would end
+  above horovodrun's own traceback, so a global batch that some size does not divide stops the launch
+  before the driver starts, its error the last line.
 * Not emitted: Horovod's guide also adds ``-mca pml ob1 -mca btl ^openib``.
   Open MPI 5 has no openib BTL, and forcing ob1 keeps UCX (the InfiniBand
   path) out; pass such flags in ``extra`` where a cluster wants them.
@@ -108,6 +114,9 @@ class LaunchSpec:
       overcommit: allow more ranks than CPUs (srun --overcommit; mpirun
         --map-by slot:OVERSUBSCRIBE). horovodrun never needs it.
       extra: more launcher arguments, placed just before the command.
+      min_np, max_np: horovodrun's elastic driver: the smallest and largest world sizes (None: ``np``).
+      host_discovery_script: horovodrun's elastic driver: the executable that prints the hosts ("host:slots"
+        lines); given, the launch is elastic (Gloo, no ``hosts``).
     """
 
     np: int
@@ -119,6 +128,9 @@ class LaunchSpec:
     allow_run_as_root: bool = False
     overcommit: bool = False
     extra: tuple[str, ...] = ()
+    min_np: int | None = None
+    max_np: int | None = None
+    host_discovery_script: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("command", "hosts", "extra"):
@@ -142,10 +154,37 @@ class LaunchSpec:
                               "`hvrep launch --np 2 -- python train.py`.")
         if self.hosts is not None:
             self._check_hosts()
+        self._check_elastic()
         if self.launcher == "horovodrun" and self.gloo and self.bind != "none":
             raise ConfigError(f"bind={self.bind!r} is not available with horovodrun --gloo, which "
                               "never binds processes. Fix: bind='none', gloo=False (horovodrun --mpi) "
                               "or launcher='mpirun'.")
+
+    @property
+    def elastic(self) -> bool:
+        return self.host_discovery_script is not None
+
+    def _check_elastic(self) -> None:
+        if not self.elastic:
+            if self.min_np is not None or self.max_np is not None:
+                raise ConfigError("min_np/max_np apply to horovodrun's elastic driver, which needs a host discovery "
+                                  "script. Fix: add --host-discovery-script S, or leave --min-np/--max-np out.")
+            return
+        if self.launcher != "horovodrun" or not self.gloo:
+            raise ConfigError(f"host_discovery_script={self.host_discovery_script} (elastic) needs horovodrun's "
+                              "elastic driver over Gloo. Fix: --launcher horovodrun (the default) with --gloo.")
+        if self.hosts is not None:
+            raise ConfigError("hosts and host_discovery_script both name the hosts; horovodrun takes one. Fix: "
+                              "leave --hosts out of an elastic launch (the script prints the hosts).")
+        lo, hi = self.elastic_sizes
+        if not 1 <= lo <= self.np <= hi:
+            raise ConfigError(f"--min-np {lo} <= --np {self.np} <= --max-np {hi} does not hold. Fix: start with "
+                              "a world size between the smallest and the largest.")
+
+    @property
+    def elastic_sizes(self) -> tuple[int, int]:
+        """The elastic driver's smallest and largest world sizes."""
+        return (self.np if self.min_np is None else self.min_np, self.np if self.max_np is None else self.max_np)
 
     def _check_hosts(self) -> None:
         assert self.hosts is not None
@@ -231,8 +270,12 @@ def mpirun_argv(spec: LaunchSpec, environ: Mapping[str, str]) -> list[str]:
 
 def horovodrun_argv(spec: LaunchSpec) -> list[str]:
     """Horovod's ``horovodrun`` command line for ``spec``."""
-    hosts = ",".join(spec.hosts) if spec.hosts else f"localhost:{spec.np}"
-    argv = ["horovodrun", "-np", str(spec.np), "-H", hosts]
+    argv = ["horovodrun", "-np", str(spec.np)]
+    if spec.elastic:
+        lo, hi = spec.elastic_sizes
+        argv += ["--min-np", str(lo), "--max-np", str(hi), "--host-discovery-script", str(spec.host_discovery_script)]
+    else:
+        argv += ["-H", ",".join(spec.hosts) if spec.hosts else f"localhost:{spec.np}"]
     if spec.gloo:
         argv.append("--gloo")
     else:
@@ -298,6 +341,52 @@ def find_launcher(name: str, environ: Mapping[str, str]) -> str:
     return found
 
 
+def _train_args(command: Sequence[str]) -> list[str] | None:
+    """``hvrep train``'s arguments when ``command`` runs it (``hvrep train``, ``python -m hvrep.cli train``,
+    ``python -m hvrep.train``), else None."""
+    cmd = list(command)
+    if cmd and Path(cmd[0]).name == "hvrep" and cmd[1:2] == ["train"]:
+        return cmd[2:]
+    if cmd and _PYTHON.fullmatch(Path(cmd[0]).name) and "-m" in cmd:
+        i = cmd.index("-m")
+        if cmd[i + 1:i + 3] == ["hvrep.cli", "train"]:
+            return cmd[i + 3:]
+        if cmd[i + 1:i + 2] == ["hvrep.train"]:
+            return cmd[i + 2:]
+    return None
+
+
+def check_train_command(spec: LaunchSpec) -> None:
+    """An elastic launch of ``hvrep train``: its settings checked against the launch's world sizes, before
+    any process starts (the same checks each rank makes under the driver).
+
+    Raises:
+      hvrep.errors.ConfigError: a setting of the command is wrong, its elastic.min_np/max_np are not the
+        launch's, or a world size between them does not divide train.global_batch.
+    """
+    args = _train_args(spec.command) if spec.elastic else None
+    if args is None:
+        return
+    from hvrep.train import config as configs
+
+    config, overrides, rest = "resnet50_imagenet", [], iter(args)
+    for arg in rest:
+        if arg == "--config":
+            config = next(rest, config)
+        elif arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        elif not arg.startswith("-") and "=" in arg:
+            overrides.append(arg)
+    cfg = configs.build(config, overrides)
+    lo, hi = spec.elastic_sizes
+    if (cfg.elastic.min_np, cfg.elastic.max_np) != (lo, hi):
+        raise ConfigError(
+            f"this elastic launch has world sizes {lo} to {hi} (--min-np {lo} --max-np {hi}), but hvrep train is "
+            f"given elastic.min_np={cfg.elastic.min_np} elastic.max_np={cfg.elastic.max_np} (horovodrun does not "
+            f"tell its workers). Fix: add elastic.min_np={lo} elastic.max_np={hi} to the command.")
+    cfg.elastic.check_batch(cfg.train.global_batch)
+
+
 def run(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> int:
     """Starts the job and waits for it, stdio inherited.
 
@@ -308,7 +397,12 @@ def run(spec: LaunchSpec, environ: Mapping[str, str] | None = None) -> int:
 
     Returns:
       The launcher's exit code; 128 + N when it was killed by signal N.
+
+    Raises:
+      hvrep.errors.ConfigError: an elastic launch of ``hvrep train`` with settings it would refuse
+        (:func:`check_train_command`); nothing is started.
     """
+    check_train_command(spec)
     env = _env.environ_snapshot() if environ is None else dict(environ)
     argv = build_argv(spec, env)
     argv[0] = find_launcher(argv[0], env)

@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hvrep.data.config import PAD_LABEL, DataConfig
+from hvrep.data.config import PAD_LABEL, DataConfig, renamed_batch
 from hvrep.data.demo import write_demo
 from hvrep.data.prepare import prepare  # the function, not its module (same name): imported, not lazy
 
@@ -42,9 +42,10 @@ def _lazy(name: str) -> Any:
     """A lazy name as this package holds it now (imported on first use; what a test may have replaced)."""
     return globals()[name] if name in globals() else __getattr__(name)
 
-def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                 training: bool | None = None, position: EpochPosition | None = None,
-                 threads: int | None = None) -> tf.data.Dataset:
+def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None,
+                 per_replica_batch_size: int | None = None, training: bool | None = None,
+                 position: EpochPosition | None = None, threads: int | None = None, *,
+                 batch_size: int | None = None) -> tf.data.Dataset:
     """One replica's ``(images, labels)`` batches for one epoch, from ``config.backend``.
 
     Both backends apply the same augmentation and sharding rules (see
@@ -56,15 +57,18 @@ def make_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
     epoch (``dataclasses.replace(config, seed=base + epoch)``, the same on
     every replica) for a new shuffle and new augmentation. ``threads``: the
     pipeline's CPU threads (tf.data's private pool; DALI's ``num_threads``);
-    None: tf.data's shared pool, DALI's ``config.num_threads``.
+    None: tf.data's shared pool, DALI's ``config.num_threads``. The batch is
+    ``ctx.per_replica_batch_size``, else ``per_replica_batch_size``
+    (``batch_size=``: its old name, deprecated).
     """
+    b = renamed_batch(per_replica_batch_size, batch_size, "make_dataset")
     if config.backend == "dali":
         from hvrep.data.dali import dali_dataset
 
         if threads is not None:
             config = dataclasses.replace(config, num_threads=threads)
-        return dali_dataset(config, split, ctx, batch_size, training, position)
-    return _lazy("tfdata_dataset")(config, split, ctx, batch_size, training, position, threads)
+        return dali_dataset(config, split, ctx, b, training, position)
+    return _lazy("tfdata_dataset")(config, split, ctx, b, training, position, threads)
 
 
 def epoch_plan(config: DataConfig, split: str = "train") -> EpochPlan:

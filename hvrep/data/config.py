@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,17 +93,29 @@ class DataConfig:
             raise ConfigError(f"mean and std need 3 values each, std > 0; got {self.mean!r}, {self.std!r}.")
 
 
-def replica_batch(ctx: InputContext | None, batch_size: int | None) -> tuple[InputContext, int]:
+def renamed_batch(per_replica_batch_size: int | None, batch_size: int | None, function: str) -> int | None:
+    """``per_replica_batch_size``, or the value given by its old name ``batch_size`` (with a DeprecationWarning)."""
+    if batch_size is None:
+        return per_replica_batch_size
+    warnings.warn(f"hvrep.data.{function}(batch_size=...) is deprecated: it counts the batch per replica; pass "
+                  f"per_replica_batch_size={batch_size!r} (the same value).", DeprecationWarning, stacklevel=3)
+    if per_replica_batch_size is not None:
+        raise ConfigError(f"hvrep.data.{function}: per_replica_batch_size={per_replica_batch_size!r} and batch_size="
+                          f"{batch_size!r} are the same argument. Fix: pass per_replica_batch_size only.")
+    return batch_size
+
+
+def replica_batch(ctx: InputContext | None, per_replica_batch_size: int | None) -> tuple[InputContext, int]:
     """This replica's place (one replica when ``ctx`` is None) and its batch size, checked.
 
-    The batch is ``ctx.per_replica_batch_size``, else ``batch_size``.
+    The batch is ``ctx.per_replica_batch_size``, else ``per_replica_batch_size``.
     """
     from hvrep.replica.context import InputContext
 
     ctx = ctx or InputContext(0, 1, None)
-    b = ctx.per_replica_batch_size or batch_size
+    b = ctx.per_replica_batch_size or per_replica_batch_size
     if not b or b < 1:
-        raise ConfigError("a per-replica batch size is needed: pass batch_size= or a ctx with one.")
+        raise ConfigError("a per-replica batch size is needed: pass per_replica_batch_size= or a ctx with one.")
     if not 0 <= ctx.replica_id < ctx.num_replicas:
         raise ConfigError(f"replica_id must be in [0, {ctx.num_replicas}), got {ctx.replica_id}.")
     return ctx, b

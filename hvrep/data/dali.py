@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
+from hvrep.data.config import PAD_LABEL, DataConfig, renamed_batch, replica_batch
 from hvrep.data.files import FolderListing, ShardListing, list_folder, list_shards
 from hvrep.data.plan import EpochPlan, EpochPosition, ReplicaShare, plan_for
 from hvrep.data.prepare import check_jpeg
@@ -369,8 +369,9 @@ def _log_bad(config: DataConfig, split: str, bad: tuple[_Bad, ...]) -> None:
                     + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
 
 
-def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                 training: bool | None = None, position: EpochPosition | None = None) -> tf.data.Dataset:
+def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None,
+                 per_replica_batch_size: int | None = None, training: bool | None = None,
+                 position: EpochPosition | None = None, *, batch_size: int | None = None) -> tf.data.Dataset:
     """One replica's batches of ``(images, labels)`` for one epoch, from a DALI pipeline.
 
     Args:
@@ -378,10 +379,11 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
       split: "train" or "val".
       ctx: this replica's place (``replica_id``, ``num_replicas``,
         ``per_replica_batch_size``); None: one replica.
-      batch_size: per-replica batch when ``ctx`` has none.
+      per_replica_batch_size: the batch when ``ctx`` has none.
       training: augment and shuffle (default: ``split == "train"``).
       position: training only: where the epoch resumes (see
         ``hvrep.data.plan``); the batches before it are not read.
+      batch_size: the old name of ``per_replica_batch_size`` (deprecated).
 
     Returns:
       A ``DALIDataset`` (then ``take``, and a cast for bfloat16) of ``images``
@@ -397,7 +399,7 @@ def dali_dataset(config: DataConfig, split: str, ctx: InputContext | None = None
       hvrep.errors.SetupError: DALI or its TensorFlow plugin is missing.
     """
     fn, types, tfrec, dali_tf = _dali()
-    ctx, b = replica_batch(ctx, batch_size)
+    ctx, b = replica_batch(ctx, renamed_batch(per_replica_batch_size, batch_size, "dali_dataset"))
     training = split == "train" if training is None else training
     n_rep, global_b = ctx.num_replicas, ctx.num_replicas * b
     device, gpu = _device(config, ctx)

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvrep.data.config import PAD_LABEL, DataConfig, replica_batch
+from hvrep.data.config import PAD_LABEL, DataConfig, renamed_batch, replica_batch
 from hvrep.data.files import FolderListing, ShardListing, index_entries, list_folder, list_shards, read_records
 from hvrep.data.plan import EpochPlan, EpochPosition, ReplicaShare, plan_for
 from hvrep.errors import ConfigError, DataError
@@ -335,9 +335,10 @@ def _whole_group_records(listing: ShardListing, plan: EpochPlan, share: ReplicaS
             lambda rec, i: (*_parse_record(rec, label_offset), i))
 
 
-def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None, batch_size: int | None = None,
-                   training: bool | None = None, position: EpochPosition | None = None,
-                   threads: int | None = None) -> tf.data.Dataset:
+def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = None,
+                   per_replica_batch_size: int | None = None, training: bool | None = None,
+                   position: EpochPosition | None = None, threads: int | None = None, *,
+                   batch_size: int | None = None) -> tf.data.Dataset:
     """One replica's batches of ``(images, labels)`` for one epoch.
 
     Args:
@@ -345,19 +346,20 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
       split: "train" or "val".
       ctx: this replica's place (``replica_id``, ``num_replicas``,
         ``per_replica_batch_size``); None: one replica.
-      batch_size: per-replica batch when ``ctx`` has none.
+      per_replica_batch_size: the batch when ``ctx`` has none.
       training: augment and shuffle (default: ``split == "train"``).
       position: training only: where the epoch resumes (see
         ``hvrep.data.plan``); the batches before it are not read.
       threads: the size of the pipeline's own thread pool; None: tf.data's
         shared pool, sized for every core.
+      batch_size: the old name of ``per_replica_batch_size`` (deprecated).
 
     Returns:
       A dataset of ``images`` (batch, H, W, 3) or (batch, 3, H, W) in
       ``config.dtype`` and ``labels`` (batch,) int32; padding rows (evaluation)
       have label -1. ``dataset.hvrep_skipped`` counts dropped bad files.
     """
-    ctx, b = replica_batch(ctx, batch_size)
+    ctx, b = replica_batch(ctx, renamed_batch(per_replica_batch_size, batch_size, "tfdata_dataset"))
     training = split == "train" if training is None else training
     r, n_rep = ctx.replica_id, ctx.num_replicas
     skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_skipped")
@@ -457,10 +459,13 @@ def _finished(ds: tf.data.Dataset, skipped: tf.Variable, threads: int | None) ->
     return ds
 
 
-def synthetic_dataset(config: DataConfig, ctx: InputContext | None = None, batch_size: int | None = None,
-                      num_classes: int = 1000) -> tf.data.Dataset:
-    """An endless dataset of one random batch (no files, no decode): for throughput benchmarks."""
-    ctx, b = replica_batch(ctx, batch_size)
+def synthetic_dataset(config: DataConfig, ctx: InputContext | None = None, per_replica_batch_size: int | None = None,
+                      num_classes: int = 1000, *, batch_size: int | None = None) -> tf.data.Dataset:
+    """An endless dataset of one random batch per replica (no files, no decode): for throughput benchmarks.
+
+    ``batch_size=`` is the old name of ``per_replica_batch_size`` (deprecated, the same meaning).
+    """
+    ctx, b = replica_batch(ctx, renamed_batch(per_replica_batch_size, batch_size, "synthetic_dataset"))
     gen = tf.random.Generator.from_seed(config.seed + ctx.replica_id)
     images = gen.normal([b, config.image_size, config.image_size, 3])
     labels = gen.uniform([b], 0, num_classes, dtype=tf.int32)

@@ -3,7 +3,8 @@
     repl = hvrep.Replicator()
     model.compile(optimizer=hvrep.keras.DistributedOptimizer(keras.optimizers.SGD(0.01 * repl.num_replicas), repl),
                   loss=..., metrics=[...])
-    model.fit(*hvrep.keras.shard_arrays((x, y), repl, 32), batch_size=hvrep.keras.process_batch_size(repl, 32),
+    model.fit(*hvrep.keras.shard_arrays((x, y), repl, per_replica_batch_size=32),
+              batch_size=hvrep.keras.process_batch_size(repl, per_replica_batch_size=32),
               callbacks=[hvrep.keras.callbacks.BroadcastGlobalVariablesCallback(repl),
                          hvrep.keras.callbacks.MetricAverageCallback(repl)])
 

@@ -45,7 +45,7 @@ from hvrep.compat import keras_versions
 from hvrep.errors import ConfigError
 from hvrep.replica import api
 from hvrep.replica.powersgd import PowerSGDState
-from hvrep.replica.wrap import apply_locally
+from hvrep.replica.wrap import apply_locally, loss_scale
 
 # Methods of the wrapper call the base class by name: in the loss-scaling variant the next class in the
 # MRO is LossScaleOptimizer, whose build/__init__ would scale a second time.
@@ -220,7 +220,8 @@ class DistributedOptimizer(_Optimizer):
                 "not run it on the Replicator's devices. Fix: create and compile the model inside "
                 "`with repl.scope():`."
             )
-        return list(repl.all_reduce(list(grads), op, compress=True, powersgd=self._powersgd))
+        return list(repl.all_reduce(list(grads), op, compress=True, powersgd=self._powersgd,
+                                    loss_scale=loss_scale(self.inner_optimizer)))
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         """Reduces ``grads`` across the replicas (the Replicator's fused all-reduce), then lets the wrapped

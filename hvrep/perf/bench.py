@@ -1,4 +1,4 @@
-"""Throughput benchmarks and the scaling sweep: ``hvrep bench throughput|scaling``.
+"""Throughput benchmarks and the scaling sweep: ``hvrep bench throughput|scaling`` (``node``: nodebench.py).
 
     hvrep bench scaling --ranks 1,2 --launcher horovodrun --out results/scaling.jsonl
     hvrep report results/scaling.jsonl
@@ -100,7 +100,7 @@ def throughput(model_name: str = "small_resnet", per_replica_batch: int = 32, im
         return models.small_resnet(num_classes, (image_size, image_size, 3))
 
     data_cfg = DataConfig("synthetic", image_size=image_size, resize_size=image_size, seed=seed)
-    batches = synthetic_dataset(data_cfg, batch_size=per_replica_batch, num_classes=num_classes).prefetch(2)
+    batches = synthetic_dataset(data_cfg, per_replica_batch_size=per_replica_batch, num_classes=num_classes).prefetch(2)
     it = iter(batches)
     x, y = next(it)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -297,8 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--dry-run", action="store_true", help="print the commands only")
     s.add_argument("--threads-per-rank", type=int, default=None,
                    help="cap TF's threads per rank; 1 on a CPU machine makes 1 rank use one core")
+    nd = sub.add_parser("node", help="profile this node for `hvrep plan` (run under the launcher, one rank per "
+                        "device; see hvrep/perf/nodebench.py)")
+    nd.add_argument("--model", choices=("small_resnet", "resnet50"), default="small_resnet")
+    nd.add_argument("--per-replica-batch", type=int, default=32)
+    nd.add_argument("--image-size", type=int, default=32)
+    nd.add_argument("--data", default=None, help="time hvrep's input pipeline on this folder (default: synthetic)")
+    nd.add_argument("--max-bytes", type=int, default=None, help="largest all-reduce (default 256 MB; --quick 1 MB)")
+    nd.add_argument("--quick", action="store_true", help="a few sizes and repeats: seconds, for tests")
+    nd.add_argument("--out", type=Path, default=Path("results/node-profile.json"))
     args = parser.parse_args(argv)
     try:
+        if args.what == "node":
+            from hvrep.perf.nodebench import main as node_main
+
+            return node_main(args)
         if args.what == "throughput":
             records = throughput(args.model, args.per_replica_batch, args.image_size, args.steps, args.warmup,
                                  threads_per_rank=args.threads_per_rank)

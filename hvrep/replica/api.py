@@ -126,12 +126,14 @@ class Replicator:
             # fixed once TensorFlow's runtime runs. The launcher's variables say where this rank sits.
             placement = resolve_placement()
             if placement.local_size > 1:
-                self.cpu_budget = cores.size_pools(placement.local_size, bind=not _env.horovod_elastic())
+                self.cpu_budget = cores.size_pools(placement.local_size, bind=not _env.horovod_elastic(),
+                                                   launcher_binds=placement.launcher != "horovodrun")
         self._backend = backends.create(backend, self.config, self.devices_per_replica)
         self._backend.batch_norm = batch_norm
         if self.cpu_budget is not None and self.cpu_budget.bind and self._backend.name == "horovod":
             self.cpu_binding = cores.bind_cores(self._backend.local_rank, self._backend.local_size,
-                                                self.cpu_budget.threads)
+                                                self.cpu_budget.threads,
+                                                launcher_binds=placement.launcher != "horovodrun")
         global _latest
         _latest = weakref.ref(self)
 
@@ -233,15 +235,17 @@ class Replicator:
         """
         return self._backend.reduce(value, check_op(op))
 
-    def all_reduce(self, value: Any, op: str, *, compress: bool = False, powersgd: Any = None) -> Any:
+    def all_reduce(self, value: Any, op: str, *, compress: bool = False, powersgd: Any = None,
+                   loss_scale: Any = None) -> Any:
         """``hvrep.all_reduce`` for a step this Replicator does not run itself: code traced by someone else's
         compiled function (Keras' ``fit`` train step), where ``run`` is not on the stack.
 
         Call it from inside that traced step, on every replica alike, as a collective inside ``run``.
-        ``compress`` and ``powersgd``: as ``hvrep.all_reduce``'s (gradients only).
+        ``compress``, ``powersgd`` and ``loss_scale``: as ``hvrep.all_reduce``'s (gradients only).
         """
         with self._backend.replica_section():
-            return collectives.all_reduce(value, check_op(op), compress=compress, powersgd=powersgd)
+            return collectives.all_reduce(value, check_op(op), compress=compress, powersgd=powersgd,
+                                          loss_scale=loss_scale)
 
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int = 0) -> None:
         """Eagerly overwrites ``variables`` (tf or Keras variables, the same list in the same order on every

@@ -10,7 +10,7 @@ from hvrep.errors import ConfigError
 from hvrep.replica.context import check_op, live_backend
 
 
-def all_reduce(value: Any, op: str, *, compress: bool = False, powersgd: Any = None) -> Any:
+def all_reduce(value: Any, op: str, *, compress: bool = False, powersgd: Any = None, loss_scale: Any = None) -> Any:
     """Reduces a nest of tensors across replicas; every replica gets the result.
 
     Args:
@@ -33,6 +33,13 @@ def all_reduce(value: Any, op: str, *, compress: bool = False, powersgd: Any = N
         or "mean"); it holds each replica's error feedback and Q's.
         ``wrap_optimizer`` and ``hvrep.keras.DistributedOptimizer`` build and
         pass their own. Ignored otherwise.
+      loss_scale: with ``powersgd``: the factor the gradients carry (a
+        ``keras.optimizers.LossScaleOptimizer``'s ``dynamic_scale``), so
+        PowerSGD's error feedback is kept unscaled; the result carries it
+        again. ``wrap_optimizer`` and ``hvrep.keras.DistributedOptimizer``
+        pass their ``LossScaleOptimizer``'s. Ignored otherwise (fp16/bf16
+        compression sends the scaled values: the scale keeps small
+        gradients above fp16's underflow).
 
     Floating-point sum/mean go through fused buffers (``CommConfig``'s fusion
     threshold); other cases issue one collective per tensor.
@@ -52,7 +59,7 @@ def all_reduce(value: Any, op: str, *, compress: bool = False, powersgd: Any = N
                 "variables, repl.config, repl.num_replicas) built under repl.scope().")
         if op not in ("sum", "mean"):
             raise ConfigError(f"PowerSGD reduces gradients by 'sum' or 'mean', got op={op!r}. Fix: compress=False.")
-        return powersgd.reduce(list(value), op, backend)
+        return powersgd.reduce(list(value), op, backend, loss_scale=loss_scale)
     flat = tf.nest.flatten(value)
     idx = [i for i, v in enumerate(flat) if v is not None]
     reduced = backend.all_reduce([tf.convert_to_tensor(flat[i]) for i in idx], op, compress=compress)

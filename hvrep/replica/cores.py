@@ -16,8 +16,16 @@ kernel then moves a rank's threads between cores. With ``train.threads=1`` on
 1,319-1,359 images/s, three alternating rounds) and the 1-rank baseline no
 faster or slower (853-962 either way).
 
-A process that is already bound (it may use fewer than all online CPUs: a
-launcher's ``--bind-to``, Slurm's ``--cpu-bind`` or a cgroup) keeps its binding.
+Fewer allowed cores than online ones is not proof of a per-rank binding. A container (``docker
+--cpuset-cpus``), a Slurm allocation (``task/cgroup``) or ``taskset`` around the launcher restricts every rank of
+the node to the same set; so does Open MPI's ``--bind-to package`` for the ranks of one socket. Those ranks share
+their allowed cores and divide them: 4 ranks in a 4-core container on a 64-core node get 1 thread each, not 4
+(16 threads on 4 cores). :func:`ranks_sharing` tells the cases apart from what a rank can see alone: its
+allowed set against its cgroup's cpuset (:func:`container_cpus`, the set every process of the container or
+allocation inherits), whether the local ranks' sets must overlap (``local_size x allowed`` above the
+container's cores), and whether its launcher binds at all (``horovodrun`` never does: it runs its ranks with
+``mpirun --bind-to none`` or spawns them for Gloo, so they inherit one set). A rank bound per rank (``mpirun
+--bind-to core``, ``srun --cpu-bind=cores``) keeps its binding.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from hvrep.errors import ConfigError, HvrepError
 
@@ -51,21 +60,91 @@ class Budget:
     why: str
 
 
+def _parse_cpu_list(text: str) -> int:
+    """The number of CPUs in a kernel CPU list such as ``0-3,8,10-11``."""
+    count = 0
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
+
+
+def container_cpus(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """The CPUs of this process's cgroup cpuset: the set a container or a Slurm allocation gives every process
+    in it (cgroup v2 ``cpuset.cpus.effective``, v1 ``cpuset.effective_cpus``), or None where none can be read.
+
+    A cgroup without a cpuset of its own inherits its parent's, so the nearest ancestor that has one answers.
+    """
+    try:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = cgroup_root, "cpuset.cpus.effective"  # v2 (unified)
+            if not os.path.exists(os.path.join(base, "cgroup.controllers")):
+                base = os.path.join(cgroup_root, "unified")
+        elif "cpuset" in controllers.split(","):
+            base, name = os.path.join(cgroup_root, "cpuset"), "cpuset.effective_cpus"  # v1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                text = Path(base, *parts[:depth], name).read_text()
+            except OSError:
+                continue
+            if text.strip():
+                return _parse_cpu_list(text)
+    return None
+
+
+def ranks_sharing(local_size: int, allowed: int, container: int, launcher_binds: bool = True) -> int:
+    """How many of a node's ``local_size`` ranks share this rank's ``allowed`` cores (1: a binding of its own).
+
+    Args:
+      allowed: the CPUs this rank may use.
+      container: the CPUs its cgroup (container, Slurm allocation) gives every process, or the node's online
+        CPUs where there is no cgroup cpuset.
+      launcher_binds: False where the launcher binds no rank (``horovodrun``): the ranks inherit one set.
+    """
+    if allowed >= container or not launcher_binds:
+        return local_size  # nothing narrowed this rank alone: every local rank has the same set
+    # Disjoint per-rank sets fit in the container; larger ones overlap (mpirun --bind-to package: a socket's
+    # ranks share it), shared by about this many.
+    return max(1, min(local_size, -(-local_size * allowed // container)))
+
+
 def default_budget(threads: int | None, bind: bool | None, local_size: int,
-                   allowed: int | None = None, online: int | None = None) -> Budget:
+                   allowed: int | None = None, online: int | None = None, *,
+                   container: int | None = None, launcher_binds: bool = True) -> Budget:
     """The budget of one of ``local_size`` ranks on a node; ``threads`` / ``bind`` (the settings) win when given.
 
     Args:
-      allowed: the CPUs this process may use (default: ``os.sched_getaffinity``); fewer than ``online`` means
-        a launcher, Slurm or a cgroup bound it, and that binding is its budget.
+      allowed: the CPUs this process may use (default: ``os.sched_getaffinity``). A per-rank binding (fewer
+        than the container's, not shared: :func:`ranks_sharing`) is its budget; a shared set is divided among
+        the ranks that share it.
       online: the node's CPUs (default: ``os.cpu_count()``).
+      container: the CPUs of this process's cgroup cpuset (default: :func:`container_cpus` when ``allowed`` is
+        read here too, else ``online``).
+      launcher_binds: False under a launcher that binds no rank (``horovodrun``).
     """
-    allowed = len(os.sched_getaffinity(0)) if allowed is None else allowed
+    if allowed is None:
+        allowed = len(os.sched_getaffinity(0))
+        container = container_cpus() if container is None else container
     online = (os.cpu_count() or allowed) if online is None else online
-    bound_by_launcher = allowed < online
+    container = min(online, container) if container is not None else online
+    sharers = ranks_sharing(local_size, allowed, container, launcher_binds)
+    restricted = allowed < online  # a launcher, Slurm, a cgroup or taskset narrowed the set
     if threads is None:
-        if bound_by_launcher:
+        if restricted and sharers == 1:
             threads, why = allowed, f"the {allowed} core(s) the launcher bound this rank to"
+        elif restricted and local_size > 1:
+            threads = max(1, allowed // sharers)
+            why = f"{allowed} allowed cores (of {online}) shared by {sharers} ranks on this node"
         elif local_size > 1:
             threads, why = max(1, online // local_size), f"{online} cores / {local_size} ranks on this node"
         else:
@@ -73,9 +152,11 @@ def default_budget(threads: int | None, bind: bool | None, local_size: int,
     else:
         why = f"train.threads={threads}"
     if bind and threads is None:  # train.bind_cores=true alone: the rank's share of the node
-        threads, why = max(1, online // local_size), f"{online} cores / {local_size} ranks on this node"
+        threads, why = max(1, allowed // local_size), f"{allowed} cores / {local_size} ranks on this node"
     if bind is None:
-        bind = threads is not None and not bound_by_launcher and local_size > 1 and local_size * threads <= online
+        # Bound here only where every local rank shares one set (then local rank k takes the k-th block of it);
+        # ranks that share a socket's set cannot tell which block is theirs, and the kernel balances them.
+        bind = (threads is not None and sharers == local_size > 1 and local_size * threads <= allowed)
     return Budget(threads, bind, why + (", bound here" if bind else ""))
 
 
@@ -99,7 +180,7 @@ def set_pools(threads: int, setting: str) -> None:
                          "TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS instead.") from None
 
 
-def size_pools(local_size: int, *, bind: bool = True) -> Budget:
+def size_pools(local_size: int, *, bind: bool = True, launcher_binds: bool = True) -> Budget:
     """The default budget of one of ``local_size`` ranks on a node, with TensorFlow's two op pools sized to it
     now (``bind``: whether binding may be chosen; the caller binds with :func:`bind_cores` once it knows its
     local rank). What the application set wins: pools it sized already (``tf.config.threading`` or
@@ -118,7 +199,7 @@ def size_pools(local_size: int, *, bind: bool = True) -> Budget:
         set_by_app.append(f"tf.config.threading: intra-op {intra}, inter-op {inter}")
     if set_by_app:
         return Budget(intra or None, False, "set by the application (" + "; ".join(set_by_app) + ")")
-    budget = default_budget(None, None if bind else False, local_size)
+    budget = default_budget(None, None if bind else False, local_size, launcher_binds=launcher_binds)
     if budget.threads is None:
         return budget
     try:
@@ -150,19 +231,29 @@ class Binding:
     bound_here: bool
 
 
-def bind_cores(local_rank: int, local_size: int, threads: int) -> Binding:
-    """Binds every thread of this process to ``threads`` cores of its own: local rank k gets the k-th block.
+def bind_cores(local_rank: int, local_size: int, threads: int, *, launcher_binds: bool = True,
+               container: int | None = None) -> Binding:
+    """Binds every thread of this process to ``threads`` cores of its own: local rank k gets the k-th block of
+    the cores the node's ranks share (all of the node's, or a container's or allocation's set).
 
     Threads created later inherit the binding from the thread that creates them; the ones running already
-    (TensorFlow's pools, Horovod's background thread) are bound one by one.
+    (TensorFlow's pools, Horovod's background thread) are bound one by one. A rank the launcher bound to cores
+    of its own (:func:`ranks_sharing` is 1), or that shares a set with only some local ranks, keeps its set.
+
+    Args:
+      launcher_binds: False under a launcher that binds no rank (``horovodrun``).
+      container: the CPUs of the process's cgroup cpuset (default: :func:`container_cpus`).
 
     Raises:
-      ConfigError: the node has fewer cores than ``local_size * threads``.
+      ConfigError: the shared set has fewer cores than ``local_size * threads``.
     """
     allowed = sorted(os.sched_getaffinity(0))
     online = os.cpu_count() or len(allowed)
-    if len(allowed) < online:
-        return Binding(tuple(allowed), bound_here=False)
+    box = container_cpus() if container is None else container
+    box = min(online, box) if box is not None else online
+    sharers = ranks_sharing(local_size, len(allowed), box, launcher_binds)
+    if len(allowed) < online and (sharers != local_size or local_size == 1):
+        return Binding(tuple(allowed), bound_here=False)  # bound already: by the launcher, or a set only some share
     need = local_size * threads
     if need > len(allowed):
         raise ConfigError(

@@ -105,11 +105,18 @@ class State:
     """What an elastic job keeps in memory and rolls back: a Keras 3 model's and optimizer's variables, and
     plain values (``epoch``, ``step``, …) as attributes.
 
+    Every variable a step carries to the next is tracked: the model's, the optimizer's (slots, ``iterations``, a
+    ``LossScaleOptimizer``'s loss scale and its growth counter) and, with hvrep's wrappers
+    (``Replicator.wrap_optimizer``, ``hvrep.keras.DistributedOptimizer``), the accumulated gradients and
+    micro-step (``CommConfig.accumulation_steps``) and PowerSGD's error feedback, Q's and step counter. A
+    rollback puts all of them back to the commit, on every worker alike.
+
     Args:
       repl: the Replicator (its backend broadcasts in :meth:`sync`).
       model: a built Keras model (its ``variables``: weights and statistics), or None.
       optimizer: its Keras optimizer (hvrep's wrappers too), or None. Built here on the model's trainable
-        variables if it is not yet, so that a worker that joins later holds the same variables as rank 0.
+        variables if it is not yet (a wrapper's accumulators and PowerSGD state too), so that a worker that
+        joins later holds the same variables as rank 0.
       **scalars: plain values, each an attribute (``state.step``); picklable.
 
     Raises:
@@ -125,6 +132,12 @@ class State:
         if model is not None and not list(model.variables):
             raise ConfigError(f"hvrep.elastic.State: the model {getattr(model, 'name', model)!r} has no variables "
                               "yet. Fix: build it before making the state (call it on a batch, or model.build(shape)).")
+        local_sgd = getattr(optimizer, "local_sgd", None)
+        if local_sgd is not None:
+            raise ConfigError(f"hvrep.elastic.State: the optimizer runs local SGD (CommConfig.local_steps="
+                              f"{local_sgd.every}), which elastic training cannot roll back: a commit would "
+                              "hold only one rank's diverged model. Fix: local_steps=None in an elastic job, or a "
+                              "non-elastic launch.")
         if optimizer is not None and not _built(optimizer):
             if model is None:
                 raise ConfigError("hvrep.elastic.State: the optimizer is not built and no model was given to "
@@ -171,7 +184,9 @@ class State:
         self.check_host_updates()
 
     def save(self) -> None:
-        """Copies the state into memory, without checking for host updates."""
+        """Copies the state into memory, without checking for host updates. A collective on every worker when
+        the optimizer holds per-replica state (see :meth:`_agree`)."""
+        self._agree()
         self._save_variables()
         self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._names}
         self._committed_at = time.monotonic()
@@ -228,6 +243,21 @@ class State:
 
     # --- internals -------------------------------------------------------------------------------
 
+    def _agree(self) -> None:
+        # Each replica's accumulated gradients (mid-update) and PowerSGD error feedback are its own, but sync
+        # hands every worker rank 0's copy (and a world of another size has other replicas). Their mean over the
+        # replicas is what the next update reduces, so every replica takes it before the copy: the commit is
+        # then valid on every worker and at any world size, and the run goes on as it would have, to float
+        # rounding (as Runner.prepare_checkpoint does for a checkpoint).
+        if self._repl.num_replicas < 2 or self._optimizer is None:
+            return
+        accumulation = getattr(self._optimizer, "accumulation", None)
+        if accumulation is not None and int(accumulation.micro_step.numpy()) % self._optimizer.accumulation_steps:
+            self._repl.run(self._optimizer.average_accumulators)
+        powersgd = getattr(self._optimizer, "powersgd", None)
+        if powersgd is not None and powersgd.errors:
+            self._repl.run(powersgd.average_errors)
+
     def _set_attrs(self) -> None:
         for name, value in self._saved.items():
             setattr(self, name, copy.deepcopy(value))
@@ -255,15 +285,24 @@ class State:
 
 
 def _built(optimizer: Any) -> bool:
-    inner = getattr(optimizer, "inner", optimizer)  # hvrep.replica.wrap.CrossReplicaOptimizer
-    return bool(getattr(inner, "built", True))
+    # hvrep.replica.wrap.CrossReplicaOptimizer's `built` covers its accumulators and PowerSGD state too.
+    return bool(getattr(optimizer, "built", True))
+
+
+def _carried(optimizer: Any) -> list[Any]:
+    """What hvrep's optimizer wrappers carry from step to step besides the optimizer's own variables (each a
+    ``tf.Module``): the accumulation state and PowerSGD's (``CrossReplicaOptimizer``; ``DistributedOptimizer``
+    has PowerSGD's only)."""
+    return [m for m in (getattr(optimizer, "accumulation", None), getattr(optimizer, "powersgd", None))
+            if m is not None]
 
 
 def _tracked(model: Any, optimizer: Any) -> list[Any]:
-    """The model's variables then the optimizer's, each once (Keras 3 lists: ``variables`` is a property)."""
+    """The model's variables, the optimizer's, then its wrapper's carried state, each once (Keras 3 lists:
+    ``variables`` is a property; a ``tf.Module`` lists its variables in a fixed order)."""
     found: list[Any] = []
     seen: set[int] = set()
-    for owner in (model, optimizer):
+    for owner in (model, optimizer, *_carried(optimizer)):
         if owner is None:
             continue
         variables = owner.variables

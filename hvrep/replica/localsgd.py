@@ -18,7 +18,8 @@ step) inside a compiled step:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -30,6 +31,14 @@ from hvrep.replica.comm import CommConfig
 def _tf_variable(v: Any) -> Any:
     """The tf.Variable behind a Keras 3 variable (a tf.Variable's own ``.value`` is a method)."""
     return v if isinstance(v, tf.Variable) or not hasattr(v, "value") else v.value
+
+
+def _local_copies(v: Any) -> list[Any]:
+    """The variables holding ``v``'s values in this process: one per replica in-graph (a mirrored variable's
+    components), else ``v`` itself."""
+    v = _tf_variable(v)
+    values = getattr(v, "values", None)  # a tf.distribute DistributedVariable
+    return list(values) if isinstance(values, tuple) else [v]
 
 
 def averaged_state(variables: Sequence[Any]) -> list[Any]:
@@ -126,6 +135,35 @@ class LocalSGD:
             return
         for v, m in zip(variables, self._all_reduce_mean(variables), strict=True):
             v.assign(m)
+
+    @contextlib.contextmanager
+    def averaged_model(self, run: Callable[[Callable[[], None]], Any]) -> Iterator[bool]:
+        """Eager, on every process alike: inside the block each replica's model is the replicas' mean (mid-round,
+        when they have diverged); after it each replica's own model is put back exactly, so that what is done
+        inside (an evaluation) does not change training. The mean is plain, as a checkpoint's: with DiLoCo's
+        outer optimizer the next synchronisation's outer step is not anticipated.
+
+        Args:
+          run: the Replicator's ``run`` (the averaging is a collective inside a replica step).
+
+        Yields:
+          Whether the model was averaged (False at a synchronisation point: the replicas agree already).
+        """
+        if not self.mid_round:
+            yield False
+            return
+        variables = self.trainable + self.extra
+        kept = [[tf.identity(c) for c in _local_copies(v)] for v in variables]
+        try:
+            run(self._average_model)
+            yield True
+        finally:
+            for v, values in zip(variables, kept, strict=True):
+                for c, value in zip(_local_copies(v), values, strict=True):
+                    c.assign(value)
+
+    def _average_model(self) -> None:
+        self.average_now(model=True)
 
     # --- the synchronisation, shared by both backends' ways of reading and writing the copies ---
 

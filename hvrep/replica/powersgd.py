@@ -70,10 +70,6 @@ def _redraw_degenerate(q: tf.Tensor, variable_index: int, step: tf.Tensor) -> tf
     return tf.where(bad[None, :], random_q(q.shape[0], q.shape[1], variable_index, step), q)
 
 
-def _assign(variable: tf.Variable, value: tf.Tensor, commit: Any) -> None:
-    variable.assign(value if commit is True else tf.where(commit, value, variable))
-
-
 def _per_replica_variable(initial: Any, name: str, aggregation: tf.VariableAggregation) -> tf.Variable:
     # ON_READ: under an in-graph strategy every replica holds its own copy (its own error feedback); reading it
     # outside a replica (a checkpoint) aggregates. Without a strategy (horovod) a plain variable of this rank.
@@ -138,13 +134,22 @@ class PowerSGDState(tf.Module):
             for e, m in zip(self.errors, mean, strict=True):
                 e.assign(m)
 
-    def reduce(self, grads: Sequence[Any], op: str, backend: Any) -> list[Any]:
+    def reduce(self, grads: Sequence[Any], op: str, backend: Any, loss_scale: Any = None) -> list[Any]:
         """Inside a replica step: ``grads`` (one per variable, None passes through) reduced across replicas.
+
+        A step whose reduced values are not all finite (an fp16 overflow on any replica: every replica sees
+        the same reduced P's, Q's and exact tensors, so every replica decides alike) leaves the state exactly as
+        it was (errors, Q's, step counter, world size) and returns NaN for every gradient, so a
+        ``LossScaleOptimizer`` skips the step and halves its scale on every replica.
 
         Args:
           grads: gradients in the order of the state's variables.
           op: "mean" or "sum".
           backend: the live backend (``hvrep.replica.context.live_backend()``).
+          loss_scale: the factor ``grads`` carry (a ``LossScaleOptimizer``'s ``dynamic_scale``), or None. The
+            compressed gradients are divided by it before the error feedback is added, so the errors stay in
+            unscaled units whatever the scale does, and the reduction is multiplied by it again for the
+            optimizer to unscale (exact for the powers of two dynamic loss scaling uses).
         """
         if len(grads) != len(self.shapes):
             raise ConfigError(f"PowerSGD state was built for {len(self.shapes)} variables but got {len(grads)} "
@@ -155,49 +160,66 @@ class PowerSGDState(tf.Module):
                                   "Fix: pass the gradients in the order of the state's variables.")
         n = backend.num_replicas
         changed = tf.not_equal(self.world_size.read_value(), n)
-        # A state restored at another world size: reset the errors and Q's (see the class docstring).
-        for e in self.errors:
-            e.assign(tf.where(changed, tf.zeros_like(e), e))
-        for q in self.qs:
-            q.assign(tf.where(changed, tf.zeros_like(q), q))
-        self.world_size.assign(tf.constant(n, tf.int64))
+        # A state restored at another world size starts from zero errors and Q's (see the class docstring); like
+        # every other change of the state, the reset is committed only by a finite step.
+        errors = [tf.where(changed, tf.zeros_like(e), e) for e in self.errors]
+        qs = [tf.where(changed, tf.zeros_like(q), q) for q in self.qs]
+        scale = None if loss_scale is None else tf.cast(loss_scale, tf.float32)
         step = self.step.read_value()
         start = self.config.powersgd_start_step
+        present = [i for i, g in enumerate(grads) if g is not None]
+
+        def compressed() -> tuple[list[Any], tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+            return self._compressed(grads, op, backend, step, errors, qs, scale)
+
+        def exact() -> tuple[list[Any], tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+            return (*self._exact(grads, op, backend), errors, qs)
+
         if start == 0:
-            out = self._compressed(grads, op, backend, step)
+            out, finite, new_errors, new_qs = compressed()
         elif getattr(backend, "collectives_in_cond", False):
-            present = [i for i, g in enumerate(grads) if g is not None]  # a branch returns tensors only
+            def flat(branch: Any) -> Any:  # a branch returns tensors only
+                def run() -> tuple[list[Any], tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+                    reduced, ok, es, qq = branch()
+                    return [reduced[i] for i in present], ok, es, qq
+                return run
 
-            def pick(reduced: list[Any]) -> list[Any]:
-                return [reduced[i] for i in present]
-
-            reduced = tf.cond(step >= start, lambda: pick(self._compressed(grads, op, backend, step)),
-                              lambda: pick(self._exact(grads, op, backend)))
+            reduced, finite, new_errors, new_qs = tf.cond(step >= start, flat(compressed), flat(exact))
             out = [None] * len(grads)
             for i, r in zip(present, reduced, strict=True):
                 out[i] = r
         else:
             # In-graph strategies cannot issue collectives inside tf.cond: both are reduced until the start step
             # is reached in the graph (one trace), the state is left alone before it. Costs bytes, not fidelity.
-            exact = self._exact(grads, op, backend)
-            compressed = self._compressed(grads, op, backend, step, commit=step >= start)
-            out = [tf.where(step >= start, c, x) if c is not None else None
-                   for c, x in zip(compressed, exact, strict=True)]
-        self.step.assign_add(1)
-        return out
+            late = step >= start
+            x_out, x_finite, _, _ = exact()
+            c_out, c_finite, c_errors, c_qs = compressed()
+            out = [tf.where(late, c, x) if c is not None else None for c, x in zip(c_out, x_out, strict=True)]
+            finite = tf.where(late, c_finite, x_finite)
+            new_errors = [tf.where(late, c, e) for c, e in zip(c_errors, errors, strict=True)]
+            new_qs = [tf.where(late, c, q) for c, q in zip(c_qs, qs, strict=True)]
+        for var, new in zip([*self.errors, *self.qs], [*new_errors, *new_qs], strict=True):
+            var.assign(tf.where(finite, new, var))
+        self.world_size.assign(tf.where(finite, tf.constant(n, tf.int64), self.world_size))
+        self.step.assign_add(tf.cast(finite, tf.int64))
+        return [None if o is None else tf.where(finite, o, tf.constant(float("nan"), o.dtype)) for o in out]
 
-    def _exact(self, grads: Sequence[Any], op: str, backend: Any) -> list[Any]:
+    def _exact(self, grads: Sequence[Any], op: str, backend: Any) -> tuple[list[Any], tf.Tensor]:
         idx = [i for i, g in enumerate(grads) if g is not None]
         reduced = backend.all_reduce([tf.convert_to_tensor(grads[i]) for i in idx], op, compress=False)
         out: list[Any] = [None] * len(grads)
         for i, r in zip(idx, reduced, strict=True):
             out[i] = r
-        return out
+        return out, _all_finite(reduced)
 
-    def _compressed(self, grads: Sequence[Any], op: str, backend: Any, step: tf.Tensor,
-                    commit: Any = True) -> list[Any]:
+    def _compressed(self, grads: Sequence[Any], op: str, backend: Any, step: tf.Tensor, errors: list[tf.Tensor],
+                    qs: list[tf.Tensor], scale: tf.Tensor | None
+                    ) -> tuple[list[Any], tf.Tensor, list[tf.Tensor], list[tf.Tensor]]:
+        """The reduction, whether its reduced values are all finite, and the errors and Q's it leaves (to commit
+        only when finite)."""
         cfg = self.config
         out: list[Any] = [None] * len(grads)
+        new_errors, new_qs = list(errors), list(qs)
         exact_idx: list[int] = []
         mats: list[tuple[int, int, tf.Tensor, tf.Tensor]] = []  # (variable index, slot, M, Q)
         slot = 0
@@ -211,9 +233,11 @@ class PowerSGDState(tf.Module):
             if g is None:
                 continue
             m = tf.reshape(tf.cast(g, tf.float32), [rows, cols])
+            if scale is not None:
+                m = m / scale
             if cfg.powersgd_error_feedback:
-                m = m + self.errors[k]
-            q = _redraw_degenerate(self.qs[k], i, step) if cfg.powersgd_warm_start else random_q(cols, r, i, step)
+                m = m + errors[k]
+            q = _redraw_degenerate(qs[k], i, step) if cfg.powersgd_warm_start else random_q(cols, r, i, step)
             mats.append((i, k, m, q))
         # One all-reduce call for the P's and the exact tensors (fused into the same buckets).
         ps = [tf.matmul(m, q) for _, _, m, q in mats]
@@ -221,13 +245,23 @@ class PowerSGDState(tf.Module):
         for i, r in zip(exact_idx, first[len(ps):], strict=True):
             out[i] = r
         p_hats = [orthogonalize(p) for p in first[:len(ps)]]
-        new_qs = backend.all_reduce([tf.matmul(m, p, transpose_a=True) for (_, _, m, _), p in
-                                     zip(mats, p_hats, strict=True)], op, compress=False)
-        for (i, k, m, _), p_hat, q in zip(mats, p_hats, new_qs, strict=True):
+        reduced_qs = backend.all_reduce([tf.matmul(m, p, transpose_a=True) for (_, _, m, _), p in
+                                         zip(mats, p_hats, strict=True)], op, compress=False)
+        for (i, k, m, _), p_hat, q in zip(mats, p_hats, reduced_qs, strict=True):
             approx = tf.matmul(p_hat, q, transpose_b=True)  # the replicas' mean (or sum) of M, rank r
             if cfg.powersgd_error_feedback:
-                mean = approx if op == "mean" else approx / backend.num_replicas
-                _assign(self.errors[k], m - mean, commit)
-            _assign(self.qs[k], q, commit)
+                new_errors[k] = m - (approx if op == "mean" else approx / backend.num_replicas)
+            new_qs[k] = q
+            if scale is not None:
+                approx = approx * scale
             out[i] = tf.cast(tf.reshape(approx, self.shapes[i]), grads[i].dtype)
-        return out
+        # Every replica holds the same reduced values (and computes the same approximations from them), so every
+        # replica reaches the same verdict without another collective.
+        return out, _all_finite([*first[:len(ps)], *reduced_qs, *(o for o in out if o is not None)]), \
+            new_errors, new_qs
+
+
+def _all_finite(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Whether every element of ``tensors`` is finite (a bool scalar; True for none)."""
+    checks = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors if t.dtype.is_floating]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)

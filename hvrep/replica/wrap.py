@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import tensorflow as tf
+from keras.optimizers import LossScaleOptimizer
 
 from hvrep.replica import collectives
 from hvrep.replica.comm import CommConfig
@@ -70,10 +71,18 @@ class CrossReplicaOptimizer:
         if self._config.compression == "powersgd" and self.powersgd is None:
             self.powersgd = PowerSGDState(list(variables), self._config, self._num_replicas)
 
+    @property
+    def built(self) -> bool:
+        """Whether :meth:`build` has run: the wrapped optimizer, and the accumulators and PowerSGD state that this
+        configuration needs, exist."""
+        return bool(self.inner.built) and (self.accumulation_steps == 1 or self.accumulation is not None) and \
+            (self._config.compression != "powersgd" or self.powersgd is not None)
+
     def _reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         if self._config.compression == "powersgd":
             self.build(variables)
-        return collectives.all_reduce(grads, "mean", compress=True, powersgd=self.powersgd)
+        return collectives.all_reduce(grads, "mean", compress=True, powersgd=self.powersgd,
+                                      loss_scale=loss_scale(self.inner))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
@@ -133,6 +142,12 @@ class CrossReplicaOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def loss_scale(optimizer: Any) -> Any:
+    """The factor the gradients ``optimizer`` applies carry: a ``LossScaleOptimizer``'s ``dynamic_scale`` (it
+    divides by it in its ``apply``), else None. PowerSGD keeps its error feedback in unscaled units by it."""
+    return optimizer.dynamic_scale if isinstance(optimizer, LossScaleOptimizer) and optimizer.built else None
 
 
 def apply_locally(optimizer: Any, local_sgd: Any, grads: list[Any], variables: list[Any], **kwargs: Any) -> Any:

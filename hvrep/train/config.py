@@ -97,7 +97,8 @@ class TrainConfig:
     """The loop.
 
     Attributes:
-      global_batch: images per step over all replicas (divides by the replicas).
+      global_batch: images per step over all replicas (divides by the replicas); times
+        ``comm.accumulation_steps`` it is the batch per update that picks the recipe and its LR.
       epochs: epochs to train (None: the recipe's).
       eval_every: evaluate every this many epochs (and at the end).
       target_accuracy: stop once validation top-1 reaches it (MLPerf: 0.759); None: never.
@@ -112,15 +113,17 @@ class TrainConfig:
         within this many steps. With ``loop="fit"``: Keras' ``steps_per_execution``.
       threads: CPU threads per rank: each rank's TensorFlow intra- and inter-op pools and its tf.data
         pool get this many. None (default): the rank's share, from the cores it may use
-        (``hvrep/replica/cores.py``, ``default_budget``): the cores a launcher or Slurm bound it to, else the
-        node's cores divided by its ranks on the node; one rank alone keeps TensorFlow's own pools.
+        (``hvrep/replica/cores.py``, ``default_budget``): the cores its launcher bound it to alone, else the
+        cores the node's ranks share (the node's, a container's or Slurm allocation's) divided by its ranks on
+        the node; one rank alone keeps TensorFlow's own pools.
       bind_cores: bind each rank's threads to ``threads`` cores of its own (local rank k: the k-th block of the
         node's cores), as ``mpirun --bind-to core`` does and ``horovodrun --gloo`` does not. None (default):
         where several ranks share a node that no launcher bound them on. A process a launcher or Slurm has
         bound already keeps its binding. false for two independent jobs on one node (both would bind to the
         first cores).
-      loop: "custom" (hvrep's loop: ``controller.py``, resumable, signal-aware) or "fit" (Keras' ``model.fit``
-        through ``hvrep.keras``: ``fitloop.py``; no --resume, no gradient accumulation).
+      loop: "custom" (hvrep's loop: ``controller.py``) or "fit" (Keras' ``model.fit`` through ``hvrep.keras``:
+        ``fitloop.py``; no gradient accumulation, local SGD or elastic driver). Both resume (--resume) from
+        either loop's checkpoints and stop cleanly on a signal.
       mllog: write an MLPerf Training log (``mlperf_logging.mllog`` lines) of the run to this file, from the
         chief only (``hvrep/train/mlperf.py``, docs/mlperf.md). An existing file is refused; a ``--resume``d
         attempt writes the next free ``<stem>.<k><suffix>`` (k = 2, 3 ...). None (default): no MLPerf log.
@@ -223,6 +226,22 @@ class ElasticConfig:
         if self.min_np is not None and self.max_np is not None and self.min_np > self.max_np:
             raise ConfigError(f"elastic.min_np={self.min_np} is above elastic.max_np={self.max_np}. Fix: give "
                               "horovodrun's --min-np and --max-np.")
+
+    def unused_warning(self, global_batch: int) -> str | None:
+        """Outside horovodrun's elastic driver: what to tell a user who gave elastic settings (they are ignored
+        there), with what :meth:`check_batch` would refuse under it; None when every setting is its default."""
+        given = [f"elastic.{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                 if getattr(self, f.name) != f.default]
+        if not given:
+            return None
+        msg = (f"{' '.join(given)}: elastic settings apply only under horovodrun's elastic driver (horovodrun "
+               "--min-np A --max-np B --host-discovery-script S); this launch is not elastic and ignores them.")
+        if self.min_np is not None and self.max_np is not None:
+            try:
+                self.check_batch(global_batch)
+            except ConfigError as e:
+                msg += f" Under the driver it would stop: {e}"
+        return msg
 
     def check_batch(self, global_batch: int) -> None:
         """Refuses a global batch some world size in [min_np, max_np] does not divide.
@@ -432,12 +451,28 @@ def build(config: str, overrides: list[str] | None = None) -> RunConfig:
     """A preset name or a JSON file (``{"train.global_batch": 4096, ...}`` on top of a ``"preset"``), then overrides."""
     path = Path(config)
     if path.suffix == ".json" and path.is_file():
-        spec = json.loads(path.read_text())
+        spec = _read_json(path)
         base = preset(spec.pop("preset", "resnet50_imagenet"))
         cfg = apply_overrides(base, spec)
     else:
         cfg = preset(config)
     return apply_overrides(cfg, parse_overrides(overrides or []))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON config file's settings; a file that is not a JSON object is one ConfigError naming where."""
+    try:
+        spec = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path}: line {e.lineno}, column {e.colno}: {e.msg}. Fix: correct the JSON "
+                          "there (keys and strings in double quotes, no trailing comma), e.g. "
+                          '{"preset": "demo", "train.epochs": 5}.') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path} cannot be read ({e}). Fix: a readable UTF-8 JSON file.") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--config {path} holds a JSON {type(spec).__name__}, not an object of settings. Fix: "
+                          '{"preset": "demo", "train.epochs": 5} (a preset and section.key settings).')
+    return spec
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -4,8 +4,11 @@
         hvrep train --config demo train.global_batch=48 elastic.min_np=2 elastic.max_np=4
 
 The loop commits in memory every ``elastic.commit_every_steps`` steps and at each epoch's end (after its
-evaluation and checkpoint): the model's and optimizer's variables, and the step, epoch, position and the
-epoch's segments (``hvrep.data.plan``). On a lost worker it rolls back to that commit; on a host update it goes
+evaluation and checkpoint): the model's and optimizer's variables (the loss scale under fp16 included), the
+accumulated gradients and micro-step (``comm.accumulation_steps``), PowerSGD's state, and the step, epoch,
+position and the epoch's segments (``hvrep.data.plan``). A commit between two updates makes the accumulated
+gradients (and PowerSGD's error feedback) their mean over the replicas first, as a checkpoint does, so it holds
+on every worker and at any world size. On a lost worker it rolls back to that commit; on a host update it goes
 on from where it stands. Either way the loop starts again in the new world: the global batch is kept (the
 per-replica batch changes), the epoch goes on with the samples it has not trained on (a new segment at the
 new size), and the learning rate is anchored to the samples trained, as a resume at another size does.
@@ -39,7 +42,7 @@ class ElasticLoop:
         self.controller = controller
         self.every = every
         runner, loop = controller.runner, controller.state
-        self.state = elastic.State(runner.repl, runner.model, runner.optimizer, step=int(loop.step.numpy()),
+        self.state = elastic.State(runner.repl, runner.model, runner.update_optimizer, step=int(loop.step.numpy()),
                                    epoch=int(loop.epoch.numpy()), position=int(loop.position.numpy()),
                                    segments=[s.to_json() for s in segments])
         self._after_reset = after_reset

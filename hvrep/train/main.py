@@ -102,7 +102,9 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     placement = hvrep.resolve_placement()
     # Elastic: no binding. Several "hosts" may be one machine, each rank local rank 0 of its own, and local ranks
     # change at each reset: binding by local rank would put them on the same cores.
-    budget = cores.default_budget(cfg.train.threads, False if elastic else cfg.train.bind_cores, placement.local_size)
+    launcher_binds = placement.launcher != "horovodrun"  # horovodrun binds no rank: they share what they inherit
+    budget = cores.default_budget(cfg.train.threads, False if elastic else cfg.train.bind_cores, placement.local_size,
+                                  launcher_binds=launcher_binds)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=budget.threads,
                                                              bind_cores=budget.bind))
     if cfg.train.threads is not None:
@@ -111,7 +113,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
         keras.mixed_precision.set_global_policy("mixed_float16" if cfg.train.precision == "fp16" else "mixed_bfloat16")
     repl = hvrep.Replicator("auto", config=cfg.comm, cpu_budget="off")  # applied above, from the settings
     chief, n = repl.is_chief, repl.num_replicas
-    binding = (cores.bind_cores(repl.local_rank, repl.local_size, cfg.train.threads) if cfg.train.bind_cores
+    binding = (cores.bind_cores(repl.local_rank, repl.local_size, cfg.train.threads, launcher_binds=launcher_binds)
+               if cfg.train.bind_cores
                else cores.Binding(cores.current_cores(), bound_here=False))
     out = Path(cfg.output_dir)
     demo_root = _env.cache_dir() / "demo-data"
@@ -234,6 +237,16 @@ def _finish(summary: dict[str, Any], metrics: Any, n: int) -> dict[str, Any]:
     return summary
 
 
+def _warn_elastic_settings(cfg: configs.RunConfig) -> None:
+    """Elastic settings outside horovodrun's elastic driver: a warning from the first rank (before TensorFlow)."""
+    from hvrep import _env, resolve_placement
+
+    if _env.horovod_elastic() or resolve_placement().rank != 0:
+        return
+    if (warning := cfg.elastic.unused_warning(cfg.train.global_batch)) is not None:
+        print(f"hvrep train: warning: {warning}", file=sys.stderr)
+
+
 def _skipped_files(cfg: configs.RunConfig) -> dict[str, list[str]]:
     """The images ``data.on_error=skip`` leaves out, per split (the tf.data pipeline's check; DALI logs its own)."""
     if cfg.data.backend != "tfdata":
@@ -324,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(json.dumps(configs.to_dict(cfg), indent=2))
             return EXIT_OK.code
+        _warn_elastic_settings(cfg)
         rundir.check_data_dir(cfg.data)
         rundir.check_output_dir(cfg.output_dir, args.resume, args.overwrite)
         mlperf.log_path(cfg, args.resume, args.overwrite)

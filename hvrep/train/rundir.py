@@ -31,20 +31,40 @@ def check_data_dir(data: DataConfig) -> None:
         raise ConfigError("data.data_dir is empty. Fix: pass data.data_dir=/path/to/imagenet (a JPEG folder with "
                           "data.format=folder, or the TFRecord shards of `hvrep data prepare`).")
     root = Path(data.data_dir)
-    if root.parent == _env.cache_dir() / "demo-data":
+    if root.parent == _env.cache_dir() / "demo-data" and not root.exists():
         return  # the demo's data: written by the chief on first use
     if not root.is_dir():
         raise ConfigError(f"data.data_dir={data.data_dir} is not a folder. Fix: pass the folder holding the "
                           "train/ and val/ JPEG folders (data.format=folder) or the TFRecord shards.")
     if data.format == "tfrecord" and not any(p.name.startswith(_SHARD_PREFIXES) for p in root.iterdir()):
-        split = next((root / s for s in ("train", "val", "validation") if (root / s).is_dir()), None)
-        if split is not None and any(f.suffix.lower() in _JPEG for c in split.iterdir() if c.is_dir()
-                                     for f in c.iterdir()):
+        _check_not_jpegs(data.data_dir, root)
+
+
+def _holds_jpegs(folder: Path) -> bool:
+    return any(f.suffix.lower() in _JPEG and f.is_file() for f in folder.iterdir())
+
+
+def _check_not_jpegs(data_dir: str, root: Path) -> None:
+    """Refuses JPEGs read as TFRecords (data.format=tfrecord), pointing at data.format=folder and its layout."""
+    why = "but data.format=tfrecord reads TFRecord shards. Fix: "
+    split = next((root / s for s in ("train", "val", "validation") if (root / s).is_dir()), None)
+    if split is not None and any(_holds_jpegs(c) for c in split.iterdir() if c.is_dir()):
+        raise ConfigError(
+            f"data.data_dir={data_dir} holds JPEG folders ({split.name}/<class>/*.JPEG), {why}add data.format=folder"
+            f" to read the JPEGs as they are, or convert them once with `hvrep data prepare {data_dir} DST` and "
+            "pass data.data_dir=DST.")
+    if any(_holds_jpegs(c) for c in root.iterdir() if c.is_dir()):  # class folders: one split's folder
+        if root.name in ("train", "val", "validation"):
             raise ConfigError(
-                f"data.data_dir={data.data_dir} holds JPEG folders ({split.name}/<class>/*.JPEG), but data.format="
-                "tfrecord (the default) reads TFRecord shards. Fix: add data.format=folder to read the JPEGs as "
-                f"they are, or convert them once with `hvrep data prepare {data.data_dir} DST` and pass "
-                "data.data_dir=DST.")
+                f"data.data_dir={data_dir} is the {root.name}/ split of a JPEG folder ({root.name}/<class>/*.JPEG), "
+                f"{why}data.data_dir={root.parent} data.format=folder (the folder that holds train/ and val/).")
+        raise ConfigError(
+            f"data.data_dir={data_dir} holds class folders of JPEGs (<class>/*.JPEG), {why}data.format=folder, "
+            f"with the classes moved to {data_dir}/train/<class>/ and {data_dir}/val/<class>/ (the layout it reads).")
+    if _holds_jpegs(root):
+        raise ConfigError(
+            f"data.data_dir={data_dir} holds JPEGs, {why}data.format=folder, with the images in one folder per class "
+            f"under {data_dir}/train/ and {data_dir}/val/ (the layout it reads; a class folder's name is the label).")
 
 
 def holds_checkpoints(output_dir: str | Path) -> bool:

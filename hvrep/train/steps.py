@@ -50,7 +50,8 @@ class Runner:
             with repl.scope():
                 self._applier.build(model.trainable_variables)
         self.num_classes = num_classes
-        self._evaluator = Evaluator(repl, model, num_classes)
+        self._evaluator = Evaluator(repl, model, num_classes,
+                                    local_sgd=self._applier.local_sgd if self._applier is not None else None)
         # Loss and correct predictions summed on the device over the steps of a loop: the controller reads and
         # reduces them once per loop, not once per step (each replica adds its own; reading sums the replicas).
         with repl.scope():
@@ -71,6 +72,13 @@ class Runner:
         grads = tape.gradient(scaled, self.model.trainable_variables)
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), tf.int32))
         return loss, grads, correct
+
+    @property
+    def update_optimizer(self) -> Any:
+        """What applies the updates: ``repl.wrap_optimizer``'s wrapper (accumulation, PowerSGD, local SGD), or the
+        optimizer itself. Its variables and carried state are what a step hands to the next (the elastic state
+        tracks them)."""
+        return self._applier if self._applier is not None else self.optimizer
 
     @property
     def accumulation(self) -> Any:
@@ -167,12 +175,18 @@ class Evaluator:
 
     The custom loop's :class:`Runner` evaluates through one; the fit loop, whose updates Keras applies, uses one
     of its own (a Runner would wrap the optimizer again: a second PowerSGD state or accumulators, unused).
+
+    Args:
+      local_sgd: local SGD's ``hvrep.replica.localsgd.LocalSGD`` (``CommConfig.local_steps``), or None. Between
+        two synchronisations the replicas' models differ; the evaluation is then of their mean, in place, with
+        each replica's own model put back after it (training goes on as if nothing had been evaluated).
     """
 
-    def __init__(self, repl: hvrep.Replicator, model: keras.Model, num_classes: int) -> None:
+    def __init__(self, repl: hvrep.Replicator, model: keras.Model, num_classes: int, local_sgd: Any = None) -> None:
         self.repl = repl
         self.model = model
         self.num_classes = num_classes
+        self.local_sgd = local_sgd
 
     def _eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         logits = tf.cast(self.model(x, training=False), tf.float32)
@@ -185,11 +199,19 @@ class Evaluator:
     def evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int, threads: int | None = None
                  ) -> tuple[float, float]:
         """Top-1 and top-5 accuracy over the whole validation split, every image counted once (``threads``:
-        the input pipeline's, as ``make_dataset``'s)."""
+        the input pipeline's, as ``make_dataset``'s); with local SGD mid-round, of the replicas' mean model."""
+        if self.local_sgd is not None:
+            with self.local_sgd.averaged_model(self.repl.run):
+                return self._evaluate(data, val_images, per_replica_batch, threads)
+        return self._evaluate(data, val_images, per_replica_batch, threads)
+
+    def _evaluate(self, data: DataConfig, val_images: int, per_replica_batch: int, threads: int | None
+                  ) -> tuple[float, float]:
         totals = [0, 0]
         with data_errors(data, "val"):
             for x, y in self.repl.distribute_dataset(
-                    lambda ctx: make_dataset(data, "val", ctx, batch_size=per_replica_batch, threads=threads)):
+                    lambda ctx: make_dataset(data, "val", ctx, per_replica_batch_size=per_replica_batch,
+                                             threads=threads)):
                 counts = self.repl.reduce(self.repl.run(self._eval_step, args=(x, y)), "sum")
                 totals[0] += int(counts[0])
                 totals[1] += int(counts[1])

@@ -56,3 +56,64 @@ def case_a_checkpoint_saved_mid_round_resumes_bit_identically():
     finally:
         repl.close()
     assert diff == 0.0, diff
+
+
+def _evaluation_run(repl, data, val_images: int, evaluate_at: int | None, steps: int = 4):
+    """A Runner on a small model with local SGD (H=4): rank r trains on labels r (the replicas' models diverge);
+    evaluated through the Runner after step ``evaluate_at``. Returns (final weights, what the check saw)."""
+    import keras
+    import tensorflow as tf
+
+    from hvrep.train.steps import Evaluator, Runner
+
+    keras.utils.set_random_seed(7)
+    with repl.scope():
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                                  keras.layers.BatchNormalization(momentum=0.5), keras.layers.Flatten(),
+                                  keras.layers.Dense(10)])
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+    runner = Runner(repl, model, optimizer, num_classes=10, label_smoothing=0.0, fp16=False, jit_compile=False)
+    rng = np.random.default_rng(100 + repl.rank)
+    seen = {}
+    for step in range(1, steps + 1):
+        x = tf.constant(rng.normal(size=(8, 8, 8, 3)).astype(np.float32))
+        runner.train(x, tf.fill([8], repl.rank))
+        if step != evaluate_at:
+            continue
+        own = [w.copy() for w in model.get_weights()]
+        seen["spread"] = _same_everywhere(repl, own)
+        seen["got"] = runner.evaluate(data, val_images, 16)
+        seen["unchanged"] = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), own, strict=True))
+        # The reference: every rank sets the mean of the replicas' weights (summed by the host, halved) and
+        # evaluates it without local SGD in the picture; then its own weights go back.
+        model.set_weights([repl.reduce(w, "sum") / repl.num_replicas for w in own])
+        seen["mean"] = Evaluator(repl, model, 10).evaluate(data, val_images, 16)
+        model.set_weights(own)
+    return [w.copy() for w in model.get_weights()], seen
+
+
+def case_an_evaluation_mid_round_is_of_the_averaged_model_and_leaves_training_unchanged():
+    from hvrep.data import num_examples, write_demo
+    from hvrep.train import config as configs
+
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_steps=4))
+    try:
+        with tempfile.TemporaryDirectory() as own:
+            root = repl.broadcast_object(own)  # the chief's folder: one machine, every rank reads it
+            if repl.is_chief:
+                write_demo(root, size=8)
+            repl.reduce(np.zeros(1), "sum")
+            data = configs.build("demo", [f"data.data_dir={root}/tfrecord", "data.image_size=8",
+                                          "data.resize_size=8"]).data
+            val_images = num_examples(data, "val")
+            plain, _ = _evaluation_run(repl, data, val_images, evaluate_at=None)
+            evaluated, seen = _evaluation_run(repl, data, val_images, evaluate_at=3)
+            repl.reduce(np.zeros(1), "sum")  # the chief's folder outlives every rank's read
+    finally:
+        repl.close()
+    assert seen["spread"] > 0, "the replicas' models should differ mid-round"
+    assert seen["got"] == seen["mean"], seen
+    assert seen["unchanged"] == 0.0, seen
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(evaluated, plain, strict=True))
+    assert diff == 0.0, diff

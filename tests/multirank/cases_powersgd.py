@@ -13,6 +13,7 @@ import tensorflow as tf
 import hvrep
 from hvrep.replica import powersgd
 from tests import fidelity, keras_fit
+from tests import powersgd_fp16 as f16
 from tests import powersgd_sim as sim
 
 _repls: dict = {}
@@ -108,3 +109,76 @@ def case_powersgd_keras_fit_at_full_rank_equals_one_process_with_twice_the_batch
         assert spread == 0.0, spread
 
     _with(config, check)
+
+
+def _check_one_ranks_overflow_skipped_on_both(repl, run, want, tolerance: float = 1e-5) -> None:
+    """Both ranks skipped the step only one overflowed (one update fewer, the scale halved once), their weights are
+    the same and equal ``want`` (the run without that step) to ``tolerance``, relative to each weight's largest
+    magnitude."""
+    assert (run.iterations, run.scale) == (f16.STEPS - 1, f16.INITIAL_SCALE / 2), (run.iterations, run.scale)
+    spread = _spread(repl, [run.iterations, run.scale, *[c for cs in run.weights for c in cs]])
+    assert spread == 0.0, spread
+    assert f16.max_relative_difference(run.weights, want) <= tolerance, f16.max_relative_difference(run.weights,
+                                                                                                  want)
+
+
+def _check_powersgd_state(repl, run, algorithm) -> None:
+    """The overflow step left PowerSGD's state as it was; the Q's, step counter and world size are the same on
+    both ranks and each rank's errors are Algorithm 1's for its worker (unscaled)."""
+    state = run.powersgd
+    if run.states:  # the custom loop records the state after every step
+        for before, after in zip(run.states[f16.OVERFLOW_STEP - 1], run.states[f16.OVERFLOW_STEP], strict=True):
+            np.testing.assert_array_equal(before, after)
+    shared = [q.numpy() for q in state.qs] + [state.step.numpy(), state.world_size.numpy()]
+    spread = _spread(repl, shared)
+    assert spread == 0.0, spread
+    assert int(state.step.numpy()) == f16.STEPS - 1 and int(state.world_size.numpy()) == 2
+    compressed = [i for i, p in enumerate(algorithm.plans) if p is not None]
+    for k, i in enumerate(compressed):
+        np.testing.assert_allclose(state.qs[k].numpy(), algorithm.qs[i], atol=1e-5)
+        np.testing.assert_allclose(state.errors[k].numpy(), algorithm.errors[repl.rank][i], atol=1e-5)
+        assert np.isfinite(state.errors[k].numpy()).all()
+
+
+def case_powersgd_fp16_an_overflow_on_one_rank_is_skipped_on_both_in_the_custom_loop():
+    # Rank 1 alone overflows at step 1: both skip it, the state stays as it was and the same on both ranks. With
+    # a start step of 3 the overflow comes in the exact phase (horovod's tf.cond takes the exact branch).
+    for start_step in (0, 3):
+        def check(repl, start_step=start_step):
+            run = f16.custom_loop(repl, overflow=(1,))
+            want, algorithm = f16.reference(2, 1, start_step=start_step)
+            _check_one_ranks_overflow_skipped_on_both(repl, run, want)
+            _check_powersgd_state(repl, run, algorithm)
+
+        _with(f16.config(powersgd_start_step=start_step), check)
+
+
+def case_powersgd_fp16_an_overflow_on_one_rank_is_skipped_on_both_in_keras_fit():
+    def check(repl):
+        run = f16.fit(repl, overflow=(0,))
+        want, algorithm = f16.reference(2, 1)
+        _check_one_ranks_overflow_skipped_on_both(repl, run, want)
+        _check_powersgd_state(repl, run, algorithm)
+
+    _with(f16.config(), check)
+
+
+def case_fp16_accumulation_an_overflowing_micro_batch_skips_its_update_only():
+    # k=2: rank 1's first micro-batch of update 1 overflows. That update is skipped on both ranks, the
+    # accumulators start again from zero, and the run equals one without that update (PowerSGD or exact).
+    for compression, powersgd_rank in (("powersgd", 1), ("none", None)):
+        def check(repl, powersgd_rank=powersgd_rank):
+            run = f16.custom_loop(repl, overflow=(1,), micro=2)
+            want, algorithm = f16.reference(2, powersgd_rank)
+            _check_one_ranks_overflow_skipped_on_both(repl, run, want)
+            if powersgd_rank:
+                _check_powersgd_state(repl, run, algorithm)
+
+        _with(f16.config(compression, accumulation_steps=2), check)
+
+
+def case_fp16_compression_an_overflow_on_one_rank_is_skipped_on_both():
+    # The scaled gradients travel in fp16 (the scale keeps small ones above fp16's underflow); one rank's inf
+    # reaches both in the sum. 11 significant bits on the wire: the issue's fp16 tolerance, 2e-3 relative.
+    _with(f16.config("fp16"), lambda repl: _check_one_ranks_overflow_skipped_on_both(
+        repl, f16.custom_loop(repl, overflow=(0,)), f16.reference(2, None)[0], tolerance=2e-3))

@@ -15,6 +15,9 @@ other hosts only before it kills itself (so the driver's blacklist cooldown cann
 epoch 2, batch 4 the survivors list every host and commit until the new worker joins (no rollback); at epoch 3,
 batch 4 rank 0 lists every host but the last other one and all commit until its worker leaves (no rollback).
 
+With --powersgd RANK the DistributedOptimizer reduces by PowerSGD of that rank (every matrix); the last line
+then says how many reductions PowerSGD's state counts (the rolled-back batches' undone by the rollback).
+
 With --stop-test nobody kills itself: each batch takes 0.25 s more, every epoch's end is recorded, and the
 test SIGSTOPs rank 1 (comm.timeout_s=8): the watchdog ends only the stopped worker, and the survivor goes on.
 """
@@ -84,6 +87,7 @@ def main() -> int:
     parser.add_argument("--hosts", type=Path, help="the discovery script's file: also add and drop a host")
     parser.add_argument("--host-names", default="localhost,127.0.0.1", help="every host, comma-separated")
     parser.add_argument("--global-batch", type=int, default=16, help="divisible by every world size")
+    parser.add_argument("--powersgd", type=int, default=0, help="PowerSGD's rank (0: exact all-reduce)")
     args = parser.parse_args()
     global_batch = args.global_batch
     kind = "stop" if args.stop_test else "fit"
@@ -93,7 +97,9 @@ def main() -> int:
         log.write(json.dumps(fields) + "\n")
         log.flush()
 
-    repl = hvrep.Replicator(config=hvrep.CommConfig(timeout_s=8.0) if args.stop_test else None)
+    powersgd = dict(compression="powersgd", powersgd_rank=args.powersgd, powersgd_min_compression_rate=0) \
+        if args.powersgd else {}
+    repl = hvrep.Replicator(config=hvrep.CommConfig(**({"timeout_s": 8.0} if args.stop_test else {}), **powersgd))
     with repl.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
     optimizer = hvrep.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), repl)
@@ -128,7 +134,8 @@ def main() -> int:
     x, y = features(np.arange(10_000, 10_500))
     accuracy = float(np.mean(np.argmax(model.predict(x, verbose=0), -1) == y))
     record(event="done", resets=[r.__dict__ for r in state.resets], epoch=int(state.epoch), size=repl.num_replicas,
-           accuracy=accuracy, batches=counts)
+           accuracy=accuracy, batches=counts,
+           powersgd_step=int(optimizer.powersgd.step.numpy()) if optimizer.powersgd is not None else None)
     return 0
 
 

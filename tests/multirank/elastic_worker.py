@@ -19,6 +19,11 @@ the same every time:
 Each worker appends to DIR/trained.<host>.<pid>.jsonl one line per step trained (the epoch, the step's place
 in the epoch, the reset count, the world, the sample ids) and one per reset and per first step after a sync (a
 digest of the weights); the test reads them.
+
+With --accumulation-steps K and --powersgd RANK the updates go through ``repl.wrap_optimizer`` (K micro-batches
+per update, PowerSGD of that rank on every matrix): a commit then falls mid-update (every 5 steps) and the
+kill's rollback must put back the accumulated gradients and PowerSGD's state. The first sync's line then holds
+the initial weights and the last line the final ones, for the test's one-process replay (elastic_checks.py).
 """
 
 from __future__ import annotations
@@ -58,7 +63,10 @@ def main() -> int:
     parser.add_argument("--hosts", type=Path, required=True)
     parser.add_argument("--host-names", default="localhost,127.0.0.1", help="every host, comma-separated")
     parser.add_argument("--global-batch", type=int, default=8, help="divisible by every world size")
+    parser.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update")
+    parser.add_argument("--powersgd", type=int, default=0, help="PowerSGD's rank (0: exact all-reduce)")
     args = parser.parse_args()
+    wrapped = args.accumulation_steps > 1 or args.powersgd > 0
     global_batch = args.global_batch
     me = os.environ["HOROVOD_HOSTNAME"]
     log = (args.out / f"trained.{me}.{os.getpid()}.jsonl").open("a")
@@ -69,21 +77,30 @@ def main() -> int:
 
     hosts = HostsFile(args.hosts, args.host_names, record)
 
-    repl = hvrep.Replicator()  # "auto": horovod under the elastic driver
+    config = hvrep.CommConfig(accumulation_steps=args.accumulation_steps,
+                              **(dict(compression="powersgd", powersgd_rank=args.powersgd,
+                                      powersgd_min_compression_rate=0) if args.powersgd else {}))
+    repl = hvrep.Replicator(config=config)  # "auto": horovod under the elastic driver
     record(event="start", backend=repl.backend, rank=repl.rank, size=repl.num_replicas)
     with repl.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
         optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    updates = repl.wrap_optimizer(optimizer) if wrapped else optimizer
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    state = hvrep.elastic.State(repl, model, optimizer, epoch=0, segments=[], step=0)
+    state = hvrep.elastic.State(repl, model, updates, epoch=0, segments=[], step=0)
+
+    def weights() -> list | None:
+        return [v.numpy().tolist() for v in model.trainable_variables] if wrapped else None
     state.register_reset_callbacks([lambda: record(event="reset", at=time.time(), size=repl.num_replicas,
                                                    why=state.resets[-1].why)])
 
     def step_fn(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        grads = hvrep.all_reduce(tape.gradient(loss, model.trainable_variables), "mean")
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        if not wrapped:
+            grads = hvrep.all_reduce(grads, "mean")
+        updates.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     @hvrep.elastic.run
@@ -92,7 +109,7 @@ def main() -> int:
         # Which part of the scenario: the resets the longest-lived worker has seen (a joining one has seen none).
         phase = int(repl.reduce(tf.constant(len(state.resets)), "max"))
         record(event="synced", resets=len(state.resets), world=phase, rank=rank, size=size, at=time.time(),
-               weights=digest(state.variables),
+               weights=digest(state.variables), initial=weights() if phase == 0 else None,
                step=state.step, last_reset=[r.why for r in state.resets][-1:],
                rolled_back=state.resets[-1].rolled_back if state.resets else {})
         since_reset = 0
@@ -132,7 +149,7 @@ def main() -> int:
             state.segments = []
             state.commit()
         record(event="done", resets=[r.__dict__ for r in state.resets], rank=repl.rank, size=repl.num_replicas,
-               weights=digest(state.variables), step=state.step, at=time.time())
+               weights=digest(state.variables), final=weights(), step=state.step, at=time.time())
 
     train(state)
     return 0

@@ -8,15 +8,19 @@ the replica API and hvrep.elastic.run, has rank 0 SIGKILLed mid-epoch, a host ad
 one launch (see its docstring). Checked from what the workers wrote: the survivor trained again within 30 s of
 the kill, rolled back to its last commit (2 steps), the joining worker and the dropped one caused no rollback,
 every worker held the same weights after each sync, and each epoch trained every sample of its steps once
-(the rolled-back steps' samples once more, after the rollback, and no others).
+(the rolled-back steps' samples once more, after the rollback, and no others); the dropped worker said so
+in one line and exited 0. It accumulates 2 steps per update through PowerSGD of rank 1 (its commits fall
+mid-update): the final weights equal a one-process replay of the kept steps to 1e-5, so the rollback put back
+the accumulated gradients and PowerSGD's state.
 
-`hvrep train --config demo` under the same driver: the test SIGKILLs rank 1 mid-epoch; the chief goes on
-alone within 30 s with the global batch kept, records the reset in metrics.jsonl (why, worlds, steps rolled
-back, seconds lost) and finishes with exit 0 at the demo's accuracy (>= 97%).
+`hvrep train --config demo` under the same driver, started by `hvrep launch`, accumulating 2 steps of 32: the
+test SIGKILLs rank 1 mid-epoch; the chief goes on alone within 30 s with the global batch kept, records the
+reset in metrics.jsonl (why, worlds, steps rolled back, seconds lost) and finishes with exit 0 at the demo's
+accuracy (>= 97%), its micro-step rolled back with its step.
 
-model.fit with hvrep.keras.DistributedOptimizer and the elastic callbacks (elastic_fit_worker.py): rank 0
-SIGKILLed at epoch 1, batch 8; the survivor rolls back to the commit after batch 5, trains the rest of that
-epoch and the others, and exits 0 with the toy problem learnt.
+model.fit with hvrep.keras.DistributedOptimizer (PowerSGD) and the elastic callbacks (elastic_fit_worker.py):
+rank 0 SIGKILLed at epoch 1, batch 8; the survivor rolls back to the commit after batch 5 (PowerSGD's step
+counter too), trains the rest of that epoch and the others, and exits 0 with the toy problem learnt.
 
 A hung worker (SIGSTOP, elastic_fit_worker.py --stop-test, comm.timeout_s=8): hvrep's watchdog ends only the
 stopped worker, and the other goes on alone and exits 0 (without elasticity every rank ends, exit 75).
@@ -33,6 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hvrep.train.checkpoint import read_metadata
 from tests.multirank import elastic_checks, harness
 
 pytestmark = pytest.mark.multirank
@@ -40,6 +45,13 @@ pytestmark = pytest.mark.multirank
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).resolve().parent
 LIMIT_S = 300
+# The replica-API launch updates every 2 steps through PowerSGD of rank 1: its commits (every 5 steps) fall
+# mid-update, and the kill's rollback must put back the accumulated gradients and PowerSGD's state.
+API_ACCUMULATION, API_POWERSGD = 2, 1
+REPLAY_ATOL = 1e-5
+# hvrep train accumulates 2 steps of 32 per update (the demo's 64 per update, so its accuracy): a commit every
+# 7 steps falls mid-update every other time.
+TRAIN_ACCUMULATION = 2
 
 
 def _elastic_command(tmp: Path, program: list[str], extra: tuple[str, ...] = ()) -> list[str]:
@@ -54,7 +66,8 @@ def _elastic_command(tmp: Path, program: list[str], extra: tuple[str, ...] = ())
 def _replica_api_launch(tmp: Path) -> dict:
     out = tmp / "out"
     out.mkdir(parents=True)
-    cmd = _elastic_command(tmp, [str(HERE / "elastic_worker.py"), "--out", str(out), "--hosts", str(tmp / "hosts")],
+    cmd = _elastic_command(tmp, [str(HERE / "elastic_worker.py"), "--out", str(out), "--hosts", str(tmp / "hosts"),
+                                 "--accumulation-steps", str(API_ACCUMULATION), "--powersgd", str(API_POWERSGD)],
                            ("--blacklist-cooldown-range", "4", "5"))
     log = tmp / "job.log"
     if (rc := harness.run_logged(cmd, log, LIMIT_S)) is None:
@@ -65,7 +78,7 @@ def _replica_api_launch(tmp: Path) -> dict:
 def _fit_launch(tmp: Path) -> dict:
     out = tmp / "out"
     out.mkdir(parents=True)
-    cmd = _elastic_command(tmp, [str(HERE / "elastic_fit_worker.py"), "--out", str(out)])
+    cmd = _elastic_command(tmp, [str(HERE / "elastic_fit_worker.py"), "--out", str(out), "--powersgd", "1"])
     log = tmp / "job.log"
     if (rc := harness.run_logged(cmd, log, LIMIT_S)) is None:
         return {"error": f"the elastic fit job was still running after {LIMIT_S} s:\n{log.read_text()[-6000:]}"}
@@ -98,14 +111,20 @@ def _stop_launch(tmp: Path) -> dict:
 
 def _train_launch(tmp: Path, demo_data: Path) -> dict:
     run = tmp / "run"
-    cmd = _elastic_command(tmp, ["-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
-                                 f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2",
-                                 "elastic.commit_every_steps=7", "train.log_every=5", "train.epochs=10",
-                                 "train.threads=1"])
+    # Through `hvrep launch`, which checks the settings against --min-np/--max-np first and then runs the same
+    # horovodrun command as the other launches.
+    hosts = tmp / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    cmd = [str(BIN / "hvrep"), "launch", "--np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+           str(elastic_checks.discovery_script(tmp, hosts)), "--launcher-args", "--network-interface lo", "--",
+           sys.executable, "-m", "hvrep.cli", "train", "--config", "demo", f"data.data_dir={demo_data}",
+           f"output_dir={run}", "elastic.min_np=1", "elastic.max_np=2", "elastic.commit_every_steps=7",
+           "train.log_every=5", "train.epochs=10", "train.threads=1",
+           f"train.global_batch={64 // TRAIN_ACCUMULATION}", f"comm.accumulation_steps={TRAIN_ACCUMULATION}"]
     log = tmp / "job.log"
     with harness.launched(cmd, log) as proc:
         deadline = time.monotonic() + LIMIT_S
-        # at step 45 of 220, in epoch 3
+        # at step 90 of 440, in epoch 3
         _, killed_at = elastic_checks.signal_rank_1(
             proc, lambda: sum(e["event"] == "train" for e in elastic_checks.events(run)) >= 9, signal.SIGKILL, deadline)
         try:
@@ -146,15 +165,20 @@ def test_train_goes_on_after_a_kill_at_the_demo_accuracy(launches):
     final = events[-1]
     assert final["event"] == "final" and final["stopped"] == "completed" and final["replicas"] == 1, final
     assert final["top1"] >= 0.97, final
+    # The rollback put the micro-step back with the step: every update boundary where the data has it.
+    saved = read_metadata(final["checkpoint"])
+    assert saved["accumulation"] == {"steps": TRAIN_ACCUMULATION, "micro_step": saved["step"]}, saved
     config = next(e for e in events if e["event"] == "config")
-    assert config["config"]["train"]["global_batch"] == 64 and config["env"]["bound_here"] is False
+    assert config["config"]["train"]["global_batch"] == 32 and config["env"]["bound_here"] is False
 
 
 def test_fit_with_the_callbacks_goes_on_after_a_kill(launches):
     got = launches["fit"]
     assert "error" not in got, got.get("error")
     assert got["rc"] == 0, got["log"][-6000:]
-    elastic_checks.check_fit(got["records"], [(2, 1)])
+    # PowerSGD reduces on 2 workers only (one has nothing to reduce): the 12 batches of epoch 0 and the 5 of
+    # epoch 1 up to the commit; the 3 after it, rolled back, count no more.
+    elastic_checks.check_fit(got["records"], [(2, 1)], powersgd_steps=12 + 5)
 
 
 def test_a_stopped_worker_is_ended_alone_and_the_other_goes_on(launches):
@@ -176,5 +200,9 @@ def test_replica_api_kill_join_and_drop(launches):
     got = launches["api"]
     assert "error" not in got, got.get("error")
     assert got["rc"] == 0, got["log"][-6000:]
+    # The dropped worker says so in one line and exits 0 (Horovod's C++ exception aborted it: exit 134).
+    assert "terminate called" not in got["log"], got["log"][-6000:]
+    assert "hvrep: elastic worker: the elastic driver dropped this worker" in got["log"], got["log"][-6000:]
     elastic_checks.check_replica_api(elastic_checks.jsonl(got["out"].glob("trained.*.jsonl")), [(2, 1), (1, 2), (2, 1)],
-                                     global_batch=8)
+                                     global_batch=8, accumulation_steps=API_ACCUMULATION, powersgd_rank=API_POWERSGD,
+                                     atol=REPLAY_ATOL)

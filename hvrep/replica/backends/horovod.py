@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvrep import _env, compat
-from hvrep.compat import gloo_sockets
+from hvrep.compat import gloo_sockets, removed_worker
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
 from hvrep.replica import watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
@@ -225,7 +225,9 @@ def reform_world() -> None:
     # receive from this worker would wait out the Gloo timeout (hvrep/compat/gloo_sockets.py).
     closed = gloo_sockets.shut_down_world()
     _log.debug("hvrep: shut down %d connection(s) of the old Gloo world", closed)
-    _start_horovod(hvd, backends[0].config, started_by_hvrep=True)
+    # A worker the discovery script dropped learns it in hvd.init(), from a C++ exception that would abort it.
+    with removed_worker.one_line_on_removal("hvrep: elastic worker"):
+        _start_horovod(hvd, backends[0].config, started_by_hvrep=True)
     for b in backends:
         b.reform()
     for b in backends:

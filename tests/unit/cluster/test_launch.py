@@ -163,6 +163,13 @@ def test_horovodrun_mpi_binding_goes_through_binding_args():
     assert "--binding-args=--bind-to core --map-by slot" in argv
 
 
+def test_horovodrun_elastic_names_sizes_and_script_instead_of_hosts():
+    # Horovod's elastic guide: horovodrun -np 8 --min-np 4 --max-np 12 --host-discovery-script ./discover_hosts.sh
+    assert horovodrun_argv(spec(np=8, min_np=4, max_np=12, host_discovery_script="./discover_hosts.sh")) == [
+        "horovodrun", "-np", "8", "--min-np", "4", "--max-np", "12", "--host-discovery-script",
+        "./discover_hosts.sh", "--gloo", *TRAIN]
+
+
 def test_horovodrun_gloo_cannot_bind():
     with pytest.raises(ConfigError, match=r"bind='core'.*horovodrun --gloo.*Fix"):
         spec(bind="core")
@@ -219,6 +226,10 @@ def test_build_argv_dispatches_on_the_launcher():
     ({"hosts": ("node1:x",)}, r"hosts entry 'node1:x' has slots 'x'"),
     ({"hosts": ("a:2", "a:2")}, r"hosts lists 'a' twice"),
     ({"np": 9, "hosts": ("a:4", "b:4")}, r"np=9 is more than the 8 slots of hosts=a:4,b:4\. Fix: lower --np to 8"),
+    ({"min_np": 2}, r"min_np/max_np apply to horovodrun's elastic driver.*Fix: add --host-discovery-script"),
+    ({"host_discovery_script": "d.sh", "launcher": "mpirun"}, r"needs horovodrun's elastic driver over Gloo"),
+    ({"host_discovery_script": "d.sh", "hosts": ("a:4",)}, r"hosts and host_discovery_script both name"),
+    ({"host_discovery_script": "d.sh", "min_np": 5}, r"--min-np 5 <= --np 4 <= --max-np 4 does not hold"),
 ])
 def test_bad_specs_name_the_field_the_value_and_the_fix(kw, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -280,6 +291,25 @@ def test_cli_without_double_dash_and_with_hosts(capsys):
 def test_cli_reports_a_bad_spec_and_exits_2(capsys):
     assert cli.main(["launch", "--np", "3", "--hosts", "n1:2", "--dry-run", "--", "python", "t.py"]) == 2
     assert "hvrep: error: np=3 is more than the 2 slots of hosts=n1:2" in capsys.readouterr().err
+
+
+def test_an_elastic_launch_of_hvrep_train_is_checked_before_the_driver_starts(tmp_path):
+    # The real CLI: hvrep's error is the last line and nothing starts (no horovodrun traceback after it), for
+    # a global batch that a world size does not divide and for sizes the command does not repeat.
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    launch = [str(BIN / "hvrep"), "launch", "--np", "2", "--min-np", "2", "--max-np", "4",
+              "--host-discovery-script", str(script), "--"]
+    cases = {("hvrep", "train", "--config", "demo", "elastic.min_np=2", "elastic.max_np=4"):
+             "train.global_batch=64 does not divide by world size(s) [3] of elastic.min_np=2..elastic.max_np=4",
+             ("python", "-m", "hvrep.cli", "train", "--config=demo", "train.global_batch=48"):
+             "Fix: add elastic.min_np=2 elastic.max_np=4 to the command."}
+    for command, expected in cases.items():
+        res = subprocess.run([*launch, *command], capture_output=True, text=True, env=_env(), timeout=120)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("hvrep: error: "), res.stderr[-3000:]
+        assert expected in lines[0], lines[0]
 
 
 def test_format_argv_reads_this_environment(monkeypatch):

@@ -55,9 +55,10 @@ def _saboteur(out: Path, seen: dict) -> None:
 
 
 def _config(out: Path, steps: int) -> train.AppConfig:
-    return train.config([f"output_dir={out}", f"steps={steps}", "batch=32", "agent.hidden=32,32", "actors_per_rank=2",
-                         "actor_steps_per_sec=400", "replay_size=300", "min_replay=150", "steps_per_loop=25",
-                         "eval_every=0", "eval_episodes=1", "checkpoint_every=0", "publish_every=10"])
+    return train.config([f"output_dir={out}", f"steps={steps}", "per_replica_batch=32", "agent.hidden=32,32",
+                         "actors_per_rank=2", "actor_steps_per_sec=400", "replay_size=300", "min_replay=150",
+                         "steps_per_loop=25", "eval_every=0", "eval_episodes=1", "checkpoint_every=0",
+                         "publish_every=10"])
 
 
 def test_a_killed_actor_is_restarted_stopped_actors_stop_nothing_and_resume_continues(tmp_path: Path) -> None:
@@ -94,6 +95,19 @@ def test_the_learner_waits_for_min_replay_and_for_the_rate_limiter_only() -> Non
     limited = train.config(["min_replay=100", "samples_per_insert=2"])
     assert train.may_sample(limited, 100, 100, 168, 32) and not train.may_sample(limited, 100, 100, 169, 32)
     assert train.may_sample(limited, 120, 120, 169, 32)  # 20 more inserted: 40 more may be sampled
+
+
+def test_the_batch_setting_is_named_per_replica_and_its_old_name_still_works_with_a_warning() -> None:
+    assert train.config(["per_replica_batch=48"]).per_replica_batch == 48
+    with pytest.warns(DeprecationWarning, match=r"the setting batch= is deprecated: it counts transitions per "
+                                                r"replica; write per_replica_batch=48"):
+        cfg = train.config(["batch=48"])
+    assert cfg.per_replica_batch == 48
+    with pytest.warns(DeprecationWarning, match=r"AppConfig\.batch is deprecated.*per_replica_batch"):
+        assert cfg.batch == 48
+    with pytest.raises(ConfigError, match=r"'batch=48' and per_replica_batch= are the same setting"), \
+            pytest.warns(DeprecationWarning):
+        train.config(["batch=48", "per_replica_batch=32"])
 
 
 def test_settings_are_checked_with_the_fix() -> None:

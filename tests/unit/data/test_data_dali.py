@@ -60,7 +60,7 @@ def truth(demo):
     for split in ("train", "val"):
         listing = list_folder(demo / "folder", split)
         config = _identity(demo, "folder")
-        rows, _ = _rows(dali_dataset(config, split, batch_size=100, training=False), config)
+        rows, _ = _rows(dali_dataset(config, split, per_replica_batch_size=100, training=False), config)
         real = [r for r in rows if r[1] != PAD_LABEL]
         assert [y for _, y in real] == list(listing.labels)  # listing order, class index of the sorted folders
         out[split] = {p: (f, y) for (p, y), f in zip(real, listing.files, strict=True)}
@@ -73,7 +73,7 @@ def truth(demo):
     ("tfrecord", True, "NCHW", "bfloat16"), ("tfrecord", False, "NHWC", "float32")])
 def test_output_shapes_dtypes_and_layout(demo, fmt, training, layout, dtype):
     config = _config(demo, fmt, layout=layout, dtype=dtype)
-    x, y = next(iter(dali_dataset(config, "train" if training else "val", batch_size=8)))
+    x, y = next(iter(dali_dataset(config, "train" if training else "val", per_replica_batch_size=8)))
     assert x.shape == ((8, 24, 24, 3) if layout == "NHWC" else (8, 3, 24, 24))
     assert x.dtype == tf.as_dtype(dtype) and y.shape == (8,) and y.dtype == tf.int32
     values = tf.cast(x, tf.float32).numpy()
@@ -97,7 +97,7 @@ def test_evaluation_image_is_resized_center_cropped_and_normalised(demo):
     from PIL import Image
 
     config = _config(demo, "folder")
-    x, _ = next(iter(dali_dataset(config, "val", batch_size=4)))
+    x, _ = next(iter(dali_dataset(config, "val", per_replica_batch_size=4)))
     image = np.asarray(Image.open(list_folder(demo / "folder", "val").files[0]).convert("RGB"), np.float64)
     crop = _bilinear(image, 28, 28)[2:26, 2:26]  # shorter side 32 -> 28, center 24 x 24
     expected = (crop - np.asarray(config.mean)) / np.asarray(config.std)
@@ -143,7 +143,7 @@ def test_evaluation_counts_every_image_exactly_once(demo, truth, fmt, replicas):
 def test_folder_and_tfrecord_give_the_same_labels(demo):
     counts = {}
     for fmt in ("folder", "tfrecord"):
-        ds = dali_dataset(_config(demo, fmt), "train", batch_size=64, training=False)
+        ds = dali_dataset(_config(demo, fmt), "train", per_replica_batch_size=64, training=False)
         labels = np.concatenate([y.numpy() for _, y in ds])
         counts[fmt] = collections.Counter(labels[labels != PAD_LABEL].tolist())
     assert counts["folder"] == counts["tfrecord"] == collections.Counter(list_folder(demo / "folder", "train").labels)
@@ -151,7 +151,7 @@ def test_folder_and_tfrecord_give_the_same_labels(demo):
 
 def test_seed_picks_the_epoch_and_a_replay_repeats_it(demo):
     def labels(seed):
-        ds = dali_dataset(_config(demo, "folder", seed=seed), "train", batch_size=32)
+        ds = dali_dataset(_config(demo, "folder", seed=seed), "train", per_replica_batch_size=32)
         return np.concatenate([y.numpy() for _, y in ds.take(3)])
 
     assert (labels(0) == labels(0)).all()
@@ -180,13 +180,13 @@ def test_bad_jpeg_raises_a_data_error_naming_the_file(corrupt_folder):
     config = _config(root, "folder")
     # What DALI itself says: the operator, not the file.
     with pytest.raises(tf.errors.OpError, match="nvImageCodec failure") as raw:
-        for _ in dali_dataset(config, "val", batch_size=16):
+        for _ in dali_dataset(config, "val", per_replica_batch_size=16):
             pass
     assert victim.name not in str(raw.value)
     for split, bad in (("val", victim), ("train", truncated)):
         with pytest.raises(DataError, match=rf"{bad.name}: .*nvImageCodec failure.*data.on_error=skip"), \
                 dali_errors(config, split):
-            for _ in dali_dataset(config, split, batch_size=16):
+            for _ in dali_dataset(config, split, per_replica_batch_size=16):
                 pass
 
 
@@ -194,12 +194,12 @@ def test_bad_jpeg_is_skipped_and_counted(corrupt_folder, caplog):
     root, victim, _ = corrupt_folder
     config = _config(root, "folder", on_error="skip")
     with caplog.at_level(logging.WARNING, logger="hvrep.data.dali"):
-        val = dali_dataset(config, "val", batch_size=16)
+        val = dali_dataset(config, "val", per_replica_batch_size=16)
     assert "skipped 1 val images" in caplog.text and victim.name in caplog.text
     assert int(val.hvrep_skipped.numpy()) == 1
     labels = np.concatenate([y.numpy() for _, y in val])
     assert (labels != PAD_LABEL).sum() == len(list_folder(root / "folder", "val").files) - 1
-    train = dali_dataset(config, "train", batch_size=16)
+    train = dali_dataset(config, "train", per_replica_batch_size=16)
     labels = np.concatenate([y.numpy() for _, y in train])
     assert len(labels) == (len(list_folder(root / "folder", "train").files) - 1) // 16 * 16 and labels.min() >= 0
 
@@ -216,9 +216,9 @@ def test_bad_record_in_a_shard_is_named_or_skipped(demo, tmp_path):
     config = _config(tmp_path, "tfrecord")
     with pytest.raises(DataError, match=r"validation-00000-of-00002 record 5 \(image/filename digit_\d+\.JPEG\)"), \
             dali_errors(config, "val"):
-        for _ in dali_dataset(config, "val", batch_size=16):
+        for _ in dali_dataset(config, "val", per_replica_batch_size=16):
             pass
-    skipping = dali_dataset(_config(tmp_path, "tfrecord", on_error="skip"), "val", batch_size=16)
+    skipping = dali_dataset(_config(tmp_path, "tfrecord", on_error="skip"), "val", per_replica_batch_size=16)
     labels = np.concatenate([y.numpy() for _, y in skipping])
     assert int(skipping.hvrep_skipped.numpy()) == 1 and (labels != PAD_LABEL).sum() == 359
 

@@ -202,3 +202,24 @@ def test_building_an_epoch_runs_no_autograph_conversion(data, fmt, split, on_err
     ds = make_dataset(_config(root, fmt, on_error=on_error), split, InputContext(0, 2, 8))
     next(iter(ds))
     assert converted == [], sorted(set(converted))[:5]
+
+
+def test_the_pipelines_name_their_batch_per_replica_and_keep_the_old_name_with_a_warning(data):
+    root, _ = data
+    config = _config(root, "folder")
+    x, y = next(iter(make_dataset(config, "val", per_replica_batch_size=5)))
+    assert x.shape[0] == y.shape[0] == 5
+    with pytest.warns(DeprecationWarning, match=r"make_dataset\(batch_size=\.\.\.\) is deprecated: it counts the "
+                                                r"batch per replica; pass per_replica_batch_size=5"):
+        old_x, old_y = next(iter(make_dataset(config, "val", batch_size=5)))
+    np.testing.assert_array_equal(old_x.numpy(), x.numpy())
+    np.testing.assert_array_equal(old_y.numpy(), y.numpy())
+    synthetic = DataConfig("unused", image_size=8)
+    assert next(iter(synthetic_dataset(synthetic, per_replica_batch_size=3)))[0].shape[0] == 3
+    with pytest.warns(DeprecationWarning, match=r"synthetic_dataset\(batch_size=\.\.\.\) is deprecated"):
+        assert next(iter(synthetic_dataset(synthetic, batch_size=3)))[0].shape[0] == 3
+    with pytest.raises(ConfigError, match=r"per_replica_batch_size=5 and batch_size=4 are the same argument"), \
+            pytest.warns(DeprecationWarning):
+        make_dataset(config, "val", per_replica_batch_size=5, batch_size=4)
+    with pytest.raises(ConfigError, match=r"a per-replica batch size is needed: pass per_replica_batch_size="):
+        make_dataset(config, "val")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import hvrep
 import hvrep.keras
@@ -110,8 +111,32 @@ def test_shard_arrays_gives_every_replica_the_same_steps_in_global_batch_order()
     parts = [hvrep.keras.shard_arrays(x, Fake(r), 4) for r in range(2)]
     assert [p.tolist() for p in parts] == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
     assert hvrep.keras.shard_arrays(x, Fake(0), 4).tolist() == parts[0].tolist()
-    with pytest.raises(ConfigError, match="batch_size"):
+    with pytest.raises(ConfigError, match="per_replica_batch_size must be an int >= 1, got 0"):
         hvrep.keras.shard_arrays(x, Fake(0), 0)
+
+
+def test_the_fit_helpers_name_their_batch_per_replica_and_keep_the_old_name_with_a_warning():
+    class Fake:
+        num_replicas, num_processes, rank = 4, 2, 1  # two in-graph replicas in each of two processes
+
+    x = np.arange(40)
+    new = hvrep.keras.shard_arrays(x, Fake(), per_replica_batch_size=3)
+    assert new.tolist() == [6, 7, 8, 9, 10, 11, 18, 19, 20, 21, 22, 23, 30, 31, 32, 33, 34, 35]
+    assert hvrep.keras.process_batch_size(Fake(), per_replica_batch_size=3) == 6
+    ds = tf.data.Dataset.from_tensor_slices(x)
+    batches = [b.tolist() for b in hvrep.keras.shard_dataset(ds, Fake(), per_replica_batch_size=3).as_numpy_iterator()]
+    assert batches == [new[i:i + 6].tolist() for i in range(0, len(new), 6)]
+    with pytest.warns(DeprecationWarning, match=r"shard_arrays\(batch_size=\.\.\.\) is deprecated.*per replica.*"
+                                                r"per_replica_batch_size=3"):
+        assert hvrep.keras.shard_arrays(x, Fake(), batch_size=3).tolist() == new.tolist()
+    with pytest.warns(DeprecationWarning, match=r"process_batch_size\(batch_size=\.\.\.\) is deprecated"):
+        assert hvrep.keras.process_batch_size(Fake(), batch_size=3) == 6
+    with pytest.warns(DeprecationWarning, match=r"shard_dataset\(batch_size=\.\.\.\) is deprecated"):
+        old = hvrep.keras.shard_dataset(ds, Fake(), batch_size=3)
+    assert [b.tolist() for b in old.as_numpy_iterator()] == batches
+    with pytest.raises(ConfigError, match=r"per_replica_batch_size=3 and batch_size=4 are the same argument"), \
+            pytest.warns(DeprecationWarning):
+        hvrep.keras.shard_arrays(x, Fake(), 3, batch_size=4)
 
 
 def test_warmup_callback_gives_horovods_learning_rates(repl):

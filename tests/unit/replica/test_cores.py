@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from hvrep.errors import ConfigError
-from hvrep.replica.cores import bind_cores, default_budget
+from hvrep.replica.cores import bind_cores, container_cpus, default_budget
 from hvrep.train import config as configs
 
 CHILD = r"""
@@ -89,6 +89,43 @@ def test_the_defaults_give_each_rank_its_share_of_the_node_and_bind_it_where_no_
     # this machine, as hvrep train sees it
     budget = default_budget(None, None, local_size=len(ALLOWED))
     assert budget.threads == 1 and budget.bind and "ranks on this node" in budget.why
+
+
+def test_ranks_that_share_a_restricted_set_divide_it_and_a_per_rank_binding_is_kept():
+    # Issue 50: "allowed < online" was taken for a per-rank binding. 4 ranks in a 4-core container (its cgroup's
+    # cpuset) on a 64-core node each sized their pools to all 4: 16 threads on 4 cores.
+    assert _pair(default_budget(None, None, local_size=4, allowed=4, online=64, container=4)) == (1, True)
+    # horovodrun inside a Slurm allocation of 8 cores without a cgroup cpuset: it binds no rank, they share the set
+    assert _pair(default_budget(None, None, local_size=4, allowed=8, online=64, launcher_binds=False)) == (2, True)
+    budget = default_budget(None, None, local_size=4, allowed=8, online=64, launcher_binds=False)
+    assert "8 allowed cores (of 64) shared by 4 ranks" in budget.why
+    # mpirun --bind-to package, 8 ranks on 2 sockets of 32: 4 ranks share each socket's set (8 x 32 > 64), and
+    # none can tell which block of it is its own: 8 threads each, left to the kernel within the socket
+    assert _pair(default_budget(None, None, local_size=8, allowed=32, online=64)) == (8, False)
+    # per-rank bindings (mpirun --bind-to core, srun --cpu-bind): disjoint sets that fit the container, kept
+    assert _pair(default_budget(None, None, local_size=4, allowed=3, online=16)) == (3, False)
+    assert _pair(default_budget(None, None, local_size=4, allowed=4, online=64, container=16)) == (4, False)
+    # a container as large as the node is no restriction
+    assert _pair(default_budget(None, None, local_size=4, allowed=16, online=16, container=16)) == (4, True)
+
+
+def test_container_cpus_reads_the_nearest_cpuset_of_this_process_cgroup(tmp_path):
+    # cgroup v2: the process's own cgroup has no cpuset file; its parent has one
+    v2 = tmp_path / "v2"
+    (v2 / "slurm" / "job_7" / "step_0").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpuset cpu memory\n")
+    (v2 / "slurm" / "job_7" / "cpuset.cpus.effective").write_text("0-3,8,10-11\n")
+    (tmp_path / "v2.cgroup").write_text("0::/slurm/job_7/step_0\n")
+    assert container_cpus(str(v2), str(tmp_path / "v2.cgroup")) == 7
+    # cgroup v1: the cpuset hierarchy's own line
+    v1 = tmp_path / "v1"
+    (v1 / "cpuset" / "docker" / "abc").mkdir(parents=True)
+    (v1 / "cpuset" / "docker" / "abc" / "cpuset.effective_cpus").write_text("2-5\n")
+    (tmp_path / "v1.cgroup").write_text("4:memory:/docker/abc\n3:cpuset:/docker/abc\n0::/\n")
+    assert container_cpus(str(v1), str(tmp_path / "v1.cgroup")) == 4
+    # nothing readable: unknown, not zero
+    assert container_cpus(str(tmp_path / "none"), str(tmp_path / "v1.cgroup")) is None
+    assert container_cpus(str(v1), str(tmp_path / "missing")) is None
 
 
 def test_a_replicator_of_one_process_keeps_tensorflows_pools_and_a_typo_names_the_choices():

@@ -126,3 +126,99 @@ def test_auto_picks_horovod_under_the_elastic_driver_even_alone():
                          env={**env, "TF_CPP_MIN_LOG_LEVEL": "3", "HOROVOD_ELASTIC": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split()[-2:] == ["horovod", "1"], res.stdout
+
+
+# --- what a step carries besides the model and the optimizer (issue 46) ----------------------------------------
+
+def _plain(v):
+    # A Keras 3 variable wraps a tf.Variable (its .value); a tf.Variable's own .value is a method.
+    return v if isinstance(v, tf.Variable) else v.value
+
+
+def _carried_config(**kw) -> hvrep.CommConfig:
+    return hvrep.CommConfig(accumulation_steps=2, compression="powersgd", powersgd_rank=1,
+                            powersgd_min_compression_rate=0, **kw)
+
+
+def _wrapped_run(repl):
+    """A model and ``repl.wrap_optimizer(LossScaleOptimizer(SGD with momentum))`` (accumulation 2, PowerSGD rank 1;
+    the loss scale doubles every 2 finite updates), its step, and the batches it trains on."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6), keras.layers.Dense(3)])
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=8.0,
+                                                 dynamic_growth_steps=2)
+    optimizer = repl.wrap_optimizer(scaled)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(scaled.scale_loss(loss), model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    rng = np.random.default_rng(5)
+    batches = [(tf.constant(rng.normal(size=(8, 4)), tf.float32), tf.constant(rng.normal(size=(8, 3)), tf.float32))
+               for _ in range(9)]
+    return model, scaled, optimizer, step, batches
+
+
+def test_the_state_tracks_accumulation_powersgd_and_the_loss_scale():
+    repl = hvrep.Replicator("horovod", config=_carried_config())
+    model, scaled, optimizer, _, _ = _wrapped_run(repl)
+    state = hvrep.elastic.State(repl, model, optimizer, step=0)  # builds the wrapper's state too
+    tracked = {id(_plain(v)) for v in state.variables}
+    carried = [optimizer.accumulation.micro_step, *optimizer.accumulation.accumulators, optimizer.powersgd.step,
+               optimizer.powersgd.world_size, *optimizer.powersgd.errors, *optimizer.powersgd.qs]
+    assert optimizer.powersgd.errors and optimizer.powersgd.qs
+    missing = [v.name for v in carried if id(v) not in tracked]
+    assert not missing, f"the elastic state does not roll back {missing}"
+    for v in (scaled.dynamic_scale, scaled.step_counter, scaled.iterations):
+        assert id(_plain(v)) in tracked, v.name
+
+    # model.fit's wrapper: PowerSGD's state and the loss scale (the inner LossScaleOptimizer's). Without
+    # accumulation, which fit's DistributedOptimizer refuses (hvrep.replica.support).
+    fit_repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(
+        compression="powersgd", powersgd_rank=1, powersgd_min_compression_rate=0))
+    fit_optimizer = hvrep.keras.DistributedOptimizer(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), fit_repl)
+    state = hvrep.elastic.State(fit_repl, model, fit_optimizer, epoch=0)
+    tracked = {id(_plain(v)) for v in state.variables}
+    assert fit_optimizer.powersgd is not None
+    for v in [*fit_optimizer.powersgd.variables, fit_optimizer.inner_optimizer.dynamic_scale]:
+        assert id(_plain(v)) in tracked, v.name
+
+
+def test_a_rollback_mid_accumulation_reruns_bit_exactly():
+    # Committed after micro-step 3 (mid-update, k=2), 5 more micro-steps (3 updates, PowerSGD steps, loss-scale
+    # growth), rolled back, and the same 5 again: the same weights and carried state, bit for bit, as the
+    # first time.
+    repl = hvrep.Replicator("horovod", config=_carried_config())
+    model, scaled, optimizer, step, batches = _wrapped_run(repl)
+    state = hvrep.elastic.State(repl, model, optimizer, step=0)
+    for x, y in batches[:3]:
+        repl.run(step, args=(x, y))
+    state.commit()
+    assert int(optimizer.accumulation.micro_step.numpy()) == 3
+
+    def rest():
+        for x, y in batches[3:8]:
+            repl.run(step, args=(x, y))
+        return [np.array(v.numpy()) for v in
+                [*model.variables, *scaled.variables, *optimizer.accumulation.variables,
+                 *optimizer.powersgd.variables]]
+
+    first = rest()
+    # Updates at micro-steps 2 (before the commit), 4, 6 and 8: the scale doubled after the 2nd and the 4th.
+    assert float(scaled.dynamic_scale.numpy()) == 32.0
+    state.restore()
+    assert int(optimizer.accumulation.micro_step.numpy()) == 3 and float(scaled.dynamic_scale.numpy()) == 8.0
+    again = rest()
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_local_sgd_is_refused_by_the_state():
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_steps=2))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1), model=model)
+    with pytest.raises(ConfigError, match=r"local_steps=2 cannot be combined.*Fix: local_steps=None"):
+        hvrep.elastic.State(repl, model, optimizer, step=0)

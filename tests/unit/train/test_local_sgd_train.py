@@ -71,6 +71,24 @@ def test_prepare_checkpoint_mid_round_leaves_one_copy_of_model_and_momentum():
     repl.close()
 
 
+def test_evaluation_mid_round_sees_each_replicas_copy_at_the_mean_and_puts_them_back():
+    # In-graph (2 replicas in one process): the evaluator's averaging reads and restores every replica's copy.
+    repl, runner = _train(hvrep.CommConfig(local_steps=2))  # 3 steps: mid-round
+    local = runner._evaluator.local_sgd
+    before = _copies(repl, runner.model.weights)
+    assert max(float(np.max(np.abs(a - b))) for a, b in before) > 1e-4  # the replicas diverged
+    with local.averaged_model(repl.run) as averaged:
+        inside = _copies(repl, runner.model.weights)
+    assert averaged
+    for (a, b), (a0, b0) in zip(inside, before, strict=True):
+        np.testing.assert_allclose(a, (a0 + b0) / 2, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(a, b)
+    for parts, parts0 in zip(_copies(repl, runner.model.weights), before, strict=True):
+        for p, p0 in zip(parts, parts0, strict=True):
+            np.testing.assert_array_equal(p, p0)
+    repl.close()
+
+
 def test_checkpoint_cadence_must_be_a_multiple_of_h_and_the_fit_loop_is_refused():
     with pytest.raises(ConfigError, match=r"checkpoint.every_steps=6 is not a multiple of comm.local_steps=4.*"
                                           r"Fix: checkpoint.every_steps=8"):

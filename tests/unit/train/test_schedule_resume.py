@@ -115,9 +115,9 @@ def test_the_recipe_scales_with_the_batch_and_keeps_the_checkpoints_length(tmp_p
     optimizers.follow_checkpoint(cfg, optim, {"global_batch": 32768, "epochs": 50}, 1_281_167)
     assert optim.epochs == 50  # a LARS run keeps the length it started with
     assert optim.schedule.at_epoch(50) == pytest.approx(1e-4)  # the decay ends at the checkpoint's last epoch
-    with pytest.raises(ConfigError, match=r"train.global_batch=16384 switches the recipe's optimizer.*global batch "
-                                          r"8192.*momentum SGD.*LARS.*Fix: resume with a train.global_batch of at "
-                                          r"most 8,192"):
+    with pytest.raises(ConfigError, match=r"train.global_batch=16384 switches the recipe's optimizer.*trained with "
+                                          r"8192 samples per update.*momentum SGD.*LARS.*Fix: resume with a "
+                                          r"train.global_batch x comm.accumulation_steps of at most 8,192"):
         optimizers.follow_checkpoint(cfg, optim, {"global_batch": 8192, "epochs": 90}, 1_281_167)
 
 
