@@ -166,7 +166,9 @@ class Reference:
 
 
 SIM_REPLICAS = "the same N replicas in one process, at the same precision"
-SIM_POWERSGD = "PowerSGD's Algorithm 1 (Vogels et al. 2019) in NumPy on the replicas' gradients"
+SIM_POWERSGD = ("PowerSGD's Algorithm 1 (Vogels et al. 2019) on the replicas' gradients (the combination test runs "
+                "it at full rank, where P^ P^T M = M: the replicas' mean; low ranks against NumPy: "
+                "tests/powersgd_sim.py)")
 SIM_LOCAL_SGD = "local SGD's N workers simulated in one process (Lin et al. 2018)"
 
 
