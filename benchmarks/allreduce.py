@@ -69,7 +69,7 @@ import tensorflow as tf
 
 import hvrep
 from hvrep import _env, compat
-from hvrep.errors import CollectiveError
+from hvrep.errors import ConfigError
 from hvrep.models import resnet50_variable_shapes
 
 # Benchmarks run as scripts (also under `python -m mpi4py`): their folder holds the shared helpers.
@@ -91,7 +91,7 @@ MiB = 1024 * 1024
 THRESHOLDS = (0, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 128 * MiB)
 DEFAULT_THRESHOLD = 128 * MiB  # hvrep's fused path at its in-graph default bucket size
 COMPRESSIONS = ("none", "fp16")
-REFUSED_COMPRESSION = "bf16"  # the horovod backend refuses it at construction
+REFUSED_COMPRESSION = "bf16"  # the support table refuses it with the horovod backend, at construction
 WIRE_ITEMSIZE = {"none": 4, "fp16": 2}
 
 KIND_HVREP = "hvrep"
@@ -178,23 +178,23 @@ def _check(means: Sequence[np.ndarray], bases: Sequence[np.ndarray], factor: flo
 
 
 
-def _make_replicator(threshold: int, compression: str) -> hvrep.Replicator | CollectiveError:
+def _make_replicator(threshold: int, compression: str) -> hvrep.Replicator | ConfigError:
     """The Replicator of one hvrep case, or the refusal of the compression the horovod backend refuses."""
     try:
         return hvrep.Replicator("horovod", config=hvrep.CommConfig(fusion_threshold_bytes=threshold,
                                                                    compression=compression))
-    except CollectiveError as e:
+    except ConfigError as e:  # the support table's refusal (hvrep.replica.support)
         if compression != REFUSED_COMPRESSION:
             raise
         return e
 
 
-def _hvrep_case(repl: hvrep.Replicator | CollectiveError, threshold: int, compression: str,
+def _hvrep_case(repl: hvrep.Replicator | ConfigError, threshold: int, compression: str,
                 grads: list[tf.Tensor], num_params: int) -> _Case:
     name = f"hvrep T={_fmt_bytes(threshold)} {compression}"
     case = _Case(name, KIND_HVREP, threshold, compression, num_params * WIRE_ITEMSIZE.get(compression, 4),
                  collectives_source="repl.collective_calls delta over the warm-up (counted when traced)")
-    if isinstance(repl, CollectiveError):
+    if isinstance(repl, ConfigError):
         case.error, case.expected_error = f"{type(repl).__name__}: {repl}", True
         return case
     # A name scope per case: Horovod matches tensors across ranks, and caches

@@ -31,6 +31,8 @@ LONGEST_FIRST = (
     "tests/multirank/test_multirank.py",
     "tests/unit/perf/test_benchmark_vs_horovod.py",
     "tests/multirank/test_multirank_apps.py",
+    "tests/multirank/test_combinations.py",  # issue 46's covering array: one launch per launcher (new, not timed)
+    "tests/unit/replica/test_combinations.py",
     "tests/slurm/test_slurm_multinode.py",
     "tests/multirank/test_dead_and_stopped_ranks.py",
     "tests/unit/train/test_train_stop.py",

@@ -108,7 +108,8 @@ class DistributedOptimizer(_Optimizer):
 
     Raises:
       hvrep.errors.ConfigError: ``optimizer`` is not a Keras optimizer, is already distributed, or
-        ``replicator`` is not a Replicator; local SGD without a built ``model``.
+        ``replicator`` is not a Replicator; local SGD without a built ``model``; a combination the support
+        table refuses (``hvrep.replica.support``: e.g. ``accumulation_steps`` > 1, which fit would ignore).
     """
 
     def __new__(cls, optimizer: Any = None, replicator: Any = None, name: str | None = None, **kwargs: Any) -> Any:
@@ -129,6 +130,7 @@ class DistributedOptimizer(_Optimizer):
         if isinstance(self, LossScaleOptimizer) and not isinstance(optimizer, LossScaleOptimizer):
             optimizer = LossScaleOptimizer(optimizer)
         _check_loss_scale_reliance(optimizer)
+        replicator.check_optimizer(optimizer, "fit", "hvrep.keras.DistributedOptimizer")
         _Optimizer.__init__(self, learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
         self._replicator = replicator

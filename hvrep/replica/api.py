@@ -15,6 +15,7 @@ step, the library owns the rest (STYLE.md: Orbit, TF-Replicator).
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,11 +24,12 @@ import tensorflow as tf
 
 from hvrep import _env
 from hvrep.errors import ConfigError
-from hvrep.replica import backends, collectives, context, cores
+from hvrep.replica import backends, collectives, context, cores, support
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op
 from hvrep.replica.devices import check_devices_per_replica
 from hvrep.replica.placement import resolve_placement
+from hvrep.replica.support import Setting
 
 # Replicator(batch_norm=...): how Keras' BatchNormalization layers train in a step run() traces.
 BATCH_NORMS = ("fused", "keras")
@@ -94,7 +96,8 @@ class Replicator:
     Raises:
       hvrep.errors.ConfigError: unknown backend or batch_norm, or a config of the wrong type;
         a devices_per_replica that does not divide the local backend's devices, or that a rank
-        lacks (or, on the tpu backend, any but 1).
+        lacks; a combination the support table refuses (``hvrep.replica.support``, docs/combinations.md:
+        accumulation on an in-graph backend, bf16 compression on horovod, devices_per_replica > 1 on tpu).
     """
 
     def __init__(self, backend: str = "auto", *, config: CommConfig | None = None,
@@ -109,6 +112,12 @@ class Replicator:
                               "rank's share of its node's cores, the default) or \"off\" (TensorFlow's defaults).")
         self.devices_per_replica = check_devices_per_replica(devices_per_replica)
         self.config = config or CommConfig()
+        # Refused combinations of backend, devices and communication settings (hvrep.replica.support), before
+        # anything starts.
+        support.check([support.backend_setting(backends.resolve(backend)),
+                       support.count("devices_per_replica", self.devices_per_replica,
+                                     f"devices_per_replica={self.devices_per_replica}"),
+                       *support.comm_settings(self.config)], "Replicator")
         self.batch_norm = batch_norm
         self.cpu_budget: cores.Budget | None = None
         self.cpu_binding: cores.Binding | None = None
@@ -267,19 +276,26 @@ class Replicator:
         trainable variables, in their order, once per step.
 
         Raises:
-          hvrep.errors.ConfigError: accumulation off the horovod backend; local SGD without a built ``model``.
+          hvrep.errors.ConfigError: a combination the support table refuses (``hvrep.replica.support``: e.g.
+            local SGD with fp16 loss scaling); local SGD without a built ``model``.
         """
         from hvrep.replica.wrap import CrossReplicaOptimizer
 
         k = self.config.accumulation_steps
-        if k > 1 and self.backend != "horovod":
-            raise ConfigError(
-                f"accumulation_steps={k} needs the horovod backend; on {self.backend!r} the collectives cannot "
-                "sit inside the conditional update of a tf.distribute replica context. Fix: accumulation_steps=1, "
-                "or a k-times larger per-replica batch."
-            )
+        self.check_optimizer(optimizer, "custom", "Replicator.wrap_optimizer")
         return CrossReplicaOptimizer(optimizer, k, self.config, self.num_replicas,
                                      local_sgd=self.local_sgd(model, "wrap_optimizer(opt, model=model)"))
+
+    def check_optimizer(self, optimizer: Any, loop: str, where: str) -> None:
+        """Refuses, by the support table (``hvrep.replica.support``), an optimizer whose family, clipping or
+        precision does not combine with this Replicator's settings in ``loop`` ("custom" or "fit")."""
+        support.check([self._backend_setting(), Setting("loop", (loop,), f"loop={loop}"),
+                       *support.comm_settings(self.config),
+                       *support.optimizer_settings(optimizer, _policy_name())], where)
+
+    def _backend_setting(self) -> Setting:
+        controller = getattr(self._backend, "controller", None)
+        return support.backend_setting(self.backend, controller)
 
     def local_sgd(self, model: Any, call: str = "local_sgd(model)") -> Any:
         """The local-SGD state of ``model`` for this Replicator's ``CommConfig.local_steps``, or None when it is
@@ -298,6 +314,13 @@ class Replicator:
         with self.scope():
             return LocalSGD(self.config, self._backend, model.trainable_variables,
                             averaged_state(model.non_trainable_variables))
+
+
+def _policy_name() -> str | None:
+    """Keras' global dtype policy's name ("mixed_bfloat16" ...), or None when Keras is not imported (an
+    optimizer to check is a Keras one, so Keras is imported whenever it matters)."""
+    keras = sys.modules.get("keras")
+    return keras.mixed_precision.global_policy().name if keras is not None else None
 
 
 def latest() -> Replicator:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvrep.errors import ConfigError
+from hvrep.replica import support
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # CommConfig(outer_optimizer=...): what local SGD applies to the averaged change of each round (None: averaging).
@@ -212,14 +213,8 @@ class CommConfig:
             raise ConfigError(f"outer_lr={lr!r} and outer_momentum={mu!r} apply only with outer_optimizer="
                               "\"nesterov\"; outer_optimizer is None (plain averaging). Fix: "
                               "outer_optimizer=\"nesterov\", or leave outer_lr and outer_momentum at their defaults.")
-        if h is not None and self.accumulation_steps > 1:
-            raise ConfigError(f"local_steps={h} and accumulation_steps={self.accumulation_steps} cannot be "
-                              "combined: local SGD makes no gradient all-reduce to accumulate for. Fix: "
-                              "accumulation_steps=1 (a larger per-replica batch), or local_steps=None.")
-        if h is not None and self.compression != "none":
-            raise ConfigError(f"compression={self.compression!r} compresses gradient all-reduces, which local SGD "
-                              f"(local_steps={h}) does not make; its model averages travel in the variables' own "
-                              "dtype. Fix: compression=\"none\", or local_steps=None.")
+        # Combinations of settings (local SGD with accumulation or compression): the support table's rules.
+        support.check(support.comm_settings(self), "CommConfig")
 
     def _check_powersgd(self) -> None:
         r = self.powersgd_rank

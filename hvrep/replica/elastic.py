@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from hvrep import _env
 from hvrep.errors import ConfigError
+from hvrep.replica import support
 
 _log = logging.getLogger("hvrep")
 
@@ -119,13 +120,15 @@ class State:
       **scalars: plain values, each an attribute (``state.step``); picklable.
 
     Raises:
-      hvrep.errors.ConfigError: a model with no variables yet (build it first), a scalar named like one of
-        the state's own attributes, or an optimizer with local SGD (``CommConfig.local_steps``).
+      hvrep.errors.ConfigError: a model with no variables yet (build it first), or a scalar named like one of
+        the state's own attributes; a combination the support table refuses (local SGD; under the elastic
+        driver, a backend other than horovod).
     """
 
     def __init__(self, repl: Any, model: Any = None, optimizer: Any = None, **scalars: Any) -> None:
         self._repl = repl
         self._model, self._optimizer = model, optimizer
+        _check_supported(repl)
         if model is not None and not list(model.variables):
             raise ConfigError(f"hvrep.elastic.State: the model {getattr(model, 'name', model)!r} has no variables "
                               "yet. Fix: build it before making the state (call it on a batch, or model.build(shape)).")
@@ -363,6 +366,17 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             notification_manager.remove_listener(state)
 
     return wrapper
+
+
+def _check_supported(repl: Any) -> None:
+    """The support table's refusals for an elastic run of ``repl`` (hvrep.replica.support). The backend is
+    checked under horovodrun's elastic driver only: outside it no worker can be lost, and a State is an in-memory
+    commit and rollback on any backend."""
+    settings = [support.Setting("loop", ("elastic-custom", "elastic-fit"), "hvrep.elastic"),
+                *support.comm_settings(repl.config)]
+    if _env.horovod_elastic():
+        settings.append(support.backend_setting(repl.backend, getattr(repl._backend, "controller", None)))
+    support.check(settings, "hvrep.elastic.State")
 
 
 def _reform(repl: Any) -> None:

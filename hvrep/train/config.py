@@ -21,6 +21,7 @@ from typing import Any
 
 from hvrep.data.config import DataConfig
 from hvrep.errors import ConfigError
+from hvrep.replica import support
 from hvrep.replica.comm import CommConfig
 
 MODELS = ("resnet50", "small_resnet")
@@ -294,6 +295,7 @@ class RunConfig:
         if o.optimizer != "recipe" and epochs is not None and o.warmup_epochs > epochs:
             raise ConfigError(f"optim.warmup_epochs={o.warmup_epochs:g} is longer than training (train.epochs="
                               f"{epochs}). Fix: a shorter optim.warmup_epochs or a larger train.epochs.")
+        check_combinations(self)
         # Local SGD: a checkpoint is taken at a synchronisation point. A save off the cadence synchronises early
         # (the epoch's end, a stop); a regular cadence that is not a multiple of H would do so every time.
         h, every = self.comm.local_steps, self.checkpoint.every_steps
@@ -304,6 +306,26 @@ class RunConfig:
 
 
 SECTIONS = ("model", "data", "optim", "train", "comm", "checkpoint", "elastic")
+
+
+def check_combinations(cfg: RunConfig, elastic: bool = False) -> None:
+    """Refuses a combination of settings the support table (``hvrep.replica.support``, docs/combinations.md)
+    refuses, hvrep train's own limits included; ``elastic``: the run is under horovodrun's elastic driver (known
+    at start-up only). hvrep train exits 2 on it, before TensorFlow starts.
+
+    Raises:
+      hvrep.errors.ConfigError: naming the settings and the fix.
+    """
+    t, o = cfg.train, cfg.optim
+    loop = f"elastic-{t.loop}" if elastic else t.loop
+    # "recipe" picks LARS or momentum SGD by the global batch (hvrep.recipes.imagenet_resnet50).
+    family = {"lars": ("lars",), "momentum_sgd": ("linear",), "recipe": ("lars", "linear")}[o.optimizer]
+    support.check([support.Setting("loop", (loop,), f"train.loop={t.loop}" + (" (elastic)" if elastic else "")),
+                   support.Setting("precision", (t.precision,), f"train.precision={t.precision}"),
+                   support.Setting("optimizer", family, f"optim.optimizer={o.optimizer}"),
+                   support.Setting("clipping", ("none",), "no clipping"),
+                   support.count("steps_per_loop", t.steps_per_loop, f"train.steps_per_loop={t.steps_per_loop}"),
+                   *support.comm_settings(cfg.comm, "comm.")], "", app=True)
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

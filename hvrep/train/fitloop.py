@@ -41,7 +41,6 @@ import tensorflow as tf
 import hvrep
 import hvrep.keras
 from hvrep.data import EpochPosition, data_errors, epoch_plan, make_dataset
-from hvrep.errors import ConfigError
 from hvrep.replica.context import InputContext
 from hvrep.train import optim as optimizers
 from hvrep.train import position
@@ -53,17 +52,6 @@ from hvrep.train.metrics import MetricsWriter
 from hvrep.train.position import SchedulePosition
 from hvrep.train.preemption import stop_on_signals
 from hvrep.train.steps import Evaluator
-
-
-def check_supported(cfg: RunConfig) -> None:
-    """Raises ConfigError for what the fit loop does not do, naming the fix."""
-    if cfg.comm.accumulation_steps > 1:
-        raise ConfigError(f"comm.accumulation_steps={cfg.comm.accumulation_steps} works with train.loop=custom "
-                          "only. Fix: train.loop=custom, or accumulation_steps=1 with a larger batch.")
-    if cfg.comm.local_steps is not None:
-        raise ConfigError(f"comm.local_steps={cfg.comm.local_steps} (local SGD) works with train.loop=custom only "
-                          "in hvrep train (your own model.fit takes it through hvrep.keras.DistributedOptimizer(opt, "
-                          "repl, model=model)). Fix: train.loop=custom, or comm.local_steps=None.")
 
 
 def _train_dataset(repl: hvrep.Replicator, data_cfg: Any, global_batch: int, num_classes: int,

@@ -78,13 +78,7 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     resume = resume and not joining  # the job's state comes from rank 0's sync
     if elastic:
         cfg.elastic.check_batch(cfg.train.global_batch)
-        if cfg.train.loop == "fit":
-            raise HvrepError("train.loop=fit is not elastic in hvrep train yet. Fix: train.loop=custom under "
-                             "horovodrun's elastic driver (or your own model.fit with hvrep.keras.callbacks).")
-        if cfg.comm.local_steps is not None:
-            raise HvrepError(f"comm.local_steps={cfg.comm.local_steps} (local SGD) is not elastic in hvrep train yet: "
-                             "an in-memory commit would hold only one rank's diverged model. Fix: comm.local_steps="
-                             "None under horovodrun's elastic driver, or a non-elastic launch.")
+        configs.check_combinations(cfg, elastic=True)  # the support table's refusals of elastic runs
 
     _env.quiet_tensorflow_logs()
     import keras
@@ -285,7 +279,6 @@ def _run_fit(cfg: configs.RunConfig, repl: Any, resume: bool, steps_per_epoch: i
     from hvrep.train import fitloop
     from hvrep.train.metrics import MetricsWriter
 
-    fitloop.check_supported(cfg)
     n, gb, out = repl.num_replicas, cfg.train.global_batch, Path(cfg.output_dir)
     metrics = MetricsWriter(out, repl.is_chief, listeners)
     env = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": cfg.train.threads,

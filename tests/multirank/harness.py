@@ -30,13 +30,20 @@ MPIRUN_FLAGS = ("--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when
 APP_CASES = ("cases_d4pg.py", "cases_localsgd.py", "cases_powersgd.py", "cases_sngan.py")
 
 
+# The support table's combination test (issue 46): a launch of its own, on another of make test's workers.
+COMBINATION_CASES = ("cases_combinations.py",)
+
+
 def case_modules(group: str | None = None) -> list[Path]:
-    """The case files every launcher runs: tests/multirank/cases_*.py; ``group`` "apps" (``APP_CASES``), "core"
-    (the rest) or None (all)."""
+    """The case files every launcher runs: tests/multirank/cases_*.py; ``group`` "apps" (``APP_CASES``),
+    "combinations" (``COMBINATION_CASES``), "core" (the rest) or None (all)."""
     paths = sorted(HERE.glob("cases_*.py"))
     if group is None:
         return paths
-    return [p for p in paths if (p.name in APP_CASES) == (group == "apps")]
+    groups = {"apps": APP_CASES, "combinations": COMBINATION_CASES}
+    if group in groups:
+        return [p for p in paths if p.name in groups[group]]
+    return [p for p in paths if not any(p.name in names for names in groups.values())]
 
 
 def case_names(path: Path) -> list[str]:

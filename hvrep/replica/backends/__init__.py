@@ -46,7 +46,7 @@ def create(name: str, config: CommConfig, devices_per_replica: int = 1) -> Backe
         raise ConfigError(f"backend must be one of {(*BACKENDS, 'auto')}, got {name!r}.")
     if name == "auto":
         placement = resolve_placement()
-        if placement.size > 1 or _env.horovod_elastic():
+        if _multi_process(placement):
             try:
                 backend = _class("horovod")(config, devices_per_replica)
             except SetupError as e:
@@ -56,9 +56,25 @@ def create(name: str, config: CommConfig, devices_per_replica: int = 1) -> Backe
                 ) from e
             _log.info("hvrep: backend 'auto' chose 'horovod' (%s, %d ranks)", placement.launcher, placement.size)
             return backend
-        name = next(n for n in BACKENDS[1:] if _class(n).available())
+        name = resolve(name)
         _log.info("hvrep: backend 'auto' chose %r", name)
     return _class(name)(config, devices_per_replica)
 
 
-__all__ = ["BACKENDS", "Backend", "InputContext", "create"]
+def _multi_process(placement: object) -> bool:
+    return placement.size > 1 or _env.horovod_elastic()
+
+
+def resolve(name: str) -> str:
+    """The backend ``create(name, ...)`` would create: ``name`` itself, or for "auto" the one it picks (without
+    starting it), so that the support table can refuse a combination before anything starts."""
+    if name not in (*BACKENDS, "auto"):
+        raise ConfigError(f"backend must be one of {(*BACKENDS, 'auto')}, got {name!r}.")
+    if name != "auto":
+        return name
+    if _multi_process(resolve_placement()):
+        return "horovod"
+    return next(n for n in BACKENDS[1:] if _class(n).available())
+
+
+__all__ = ["BACKENDS", "Backend", "InputContext", "create", "resolve"]

@@ -258,11 +258,8 @@ class HorovodBackend(Backend):
 
     def __init__(self, config: CommConfig, devices_per_replica: int = 1) -> None:
         super().__init__(config, devices_per_replica)
-        if config.compression == "bf16":
-            raise CollectiveError(
-                "compression='bf16': Horovod cannot reduce bfloat16 tensors. Fix: use compression='fp16' "
-                "(half the bytes, works on every backend) or 'none', or the local/tpu backend for bf16."
-            )
+        # compression="bf16" (Horovod cannot reduce bfloat16) is refused by the support table (hvrep.replica.support)
+        # before the Replicator creates this backend.
         hvd = compat.import_horovod()
         _start_horovod(hvd, config)
         # Every collective this backend issues goes through Horovod's module wrapped for the watchdog, eager or
@@ -361,6 +358,11 @@ class HorovodBackend(Backend):
     @property
     def num_replicas(self) -> int:
         return self._size
+
+    @property
+    def controller(self) -> str:
+        """How Horovod's ranks meet: "gloo" (horovodrun --gloo, its elastic driver) or "mpi"."""
+        return "gloo" if self.hvd.gloo_enabled() else "mpi"
 
     @property
     def is_chief(self) -> bool:

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import tpu_strategy
 
 from hvrep import _env
-from hvrep.errors import ConfigError, SetupError
+from hvrep.errors import SetupError
 from hvrep.replica.backends._ingraph import InGraphBackend, _MarkingExtendedMixin, _Marks, _OneReplicaView
 from hvrep.replica.comm import CommConfig
 
@@ -40,11 +40,8 @@ class TPUBackend(InGraphBackend):
     name = "tpu"
 
     def __init__(self, config: CommConfig, devices_per_replica: int = 1) -> None:
-        if devices_per_replica != 1:
-            # TPUStrategy's replica is one core; spanning cores needs its device assignment (not built here).
-            raise ConfigError(f"devices_per_replica={devices_per_replica} is not supported on the tpu backend: a "
-                              "TPU replica is one core here. Fix: devices_per_replica=1, or the local or horovod "
-                              "backend (GPUs or CPU devices).")
+        # devices_per_replica > 1 (a TPU replica is one core here) is refused by the support table
+        # (hvrep.replica.support) before the Replicator creates this backend.
         try:
             resolver = _resolver()
             tf.config.experimental_connect_to_cluster(resolver)

@@ -88,3 +88,33 @@ def test_the_readme_is_short_and_holds_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 300
     assert "make demo" in readme and "make test" in readme
+
+
+def _cells(html: str) -> list[list[str]]:
+    """Each table row's cells as text (tags and entities stripped)."""
+    import html as entities
+
+    rows = []
+    for row in re.findall(r"<tr>(.*?)</tr>", html, flags=re.S):
+        cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, flags=re.S)
+        rows.append([entities.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in cells])
+    return rows
+
+
+def test_the_combinations_page_says_what_the_support_table_says(site):
+    from hvrep.replica import support
+
+    page = (site / "combinations" / "index.html").read_text()
+    rows = _cells(page)
+    axes = {r[0]: r[1] for r in rows if len(r) == 3 and r[0] in support.AXES}
+    assert axes == {a: ", ".join(v) for a, v in support.AXES.items()}, axes
+    refused = [r[0] for r in rows if len(r) == 4 and r[1] in ("everywhere", "hvrep train only")]
+    assert refused == [" + ".join(f"{a} = {' or '.join(v)}" for a, v in rule.when) for rule in support.RULES]
+    for rule in support.RULES:
+        assert any(rule.reason in " ".join(r) for r in rows), rule.reason
+    axis_names = list(support.AXES)
+    trained = [dict(zip(axis_names, r[1:-1], strict=True)) for r in rows
+               if len(r) == len(axis_names) + 2 and r[0].isdigit()]
+    assert trained == support.tested_cases()
+    index = (site / "index.html").read_text()
+    assert 'href="combinations/"' in index, "the support matrix does not link the combinations page"

@@ -81,6 +81,6 @@ def test_quick_run_under_mpirun_writes_every_case(tmp_path):
 
     refused = by_key["hvrep", 128 * MiB, "bf16"]
     assert not refused["ok"] and refused["expected_error"] and refused["summary"] is None
-    assert refused["error"].startswith("CollectiveError: compression='bf16'")
+    assert refused["error"].startswith("ConfigError: Replicator: compression='bf16' with backend='horovod'")
     assert "Horovod cannot reduce bfloat16" in refused["error"]
     assert "median ms" in res.stdout and "REFUSED" in res.stdout

@@ -66,7 +66,8 @@ def test_a_k_that_does_not_divide_the_devices_is_refused_naming_both_and_the_fix
 
 
 def test_the_tpu_backend_refuses_more_than_one_device_per_replica():
-    with pytest.raises(ConfigError, match="devices_per_replica=2 is not supported on the tpu backend"):
+    with pytest.raises(ConfigError, match=r"devices_per_replica=2 with backend='tpu' cannot be combined.*Fix: "
+                                          "devices_per_replica=1"):
         hvrep.Replicator("tpu", devices_per_replica=2)
 
 

@@ -174,10 +174,13 @@ def test_the_state_tracks_accumulation_powersgd_and_the_loss_scale():
     for v in (scaled.dynamic_scale, scaled.step_counter, scaled.iterations):
         assert id(_plain(v)) in tracked, v.name
 
-    # model.fit's wrapper: PowerSGD's state and the loss scale (the inner LossScaleOptimizer's).
+    # model.fit's wrapper: PowerSGD's state and the loss scale (the inner LossScaleOptimizer's). Without
+    # accumulation, which fit's DistributedOptimizer refuses (hvrep.replica.support).
+    fit_repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(
+        compression="powersgd", powersgd_rank=1, powersgd_min_compression_rate=0))
     fit_optimizer = hvrep.keras.DistributedOptimizer(
-        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), repl)
-    state = hvrep.elastic.State(repl, model, fit_optimizer, epoch=0)
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), fit_repl)
+    state = hvrep.elastic.State(fit_repl, model, fit_optimizer, epoch=0)
     tracked = {id(_plain(v)) for v in state.variables}
     assert fit_optimizer.powersgd is not None
     for v in [*fit_optimizer.powersgd.variables, fit_optimizer.inner_optimizer.dynamic_scale]:
@@ -217,5 +220,5 @@ def test_local_sgd_is_refused_by_the_state():
     repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_steps=2))
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1), model=model)
-    with pytest.raises(ConfigError, match=r"local SGD \(CommConfig.local_steps=2\).*Fix: local_steps=None"):
+    with pytest.raises(ConfigError, match=r"local_steps=2 cannot be combined.*Fix: local_steps=None"):
         hvrep.elastic.State(repl, model, optimizer, step=0)

@@ -10,7 +10,6 @@ import tensorflow as tf
 import hvrep
 from hvrep.errors import ConfigError
 from hvrep.train import config as configs
-from hvrep.train import fitloop
 from hvrep.train.steps import Runner
 
 B, K, CLASSES = 4, 3, 5
@@ -97,5 +96,6 @@ def test_checkpoint_cadence_must_be_a_multiple_of_h_and_the_fit_loop_is_refused(
     cfg = configs.build("demo", ["comm.local_steps=4", "comm.outer_optimizer=nesterov", "comm.outer_lr=0.5",
                                  "checkpoint.every_steps=8"])
     assert (cfg.comm.local_steps, cfg.comm.outer_optimizer, cfg.comm.outer_lr) == (4, "nesterov", 0.5)
-    with pytest.raises(ConfigError, match=r"train.loop=custom only.*Fix"):
-        fitloop.check_supported(cfg)
+    with pytest.raises(ConfigError, match=r"train.loop=fit with comm.local_steps=4 cannot be combined.*Fix: "
+                                          "train.loop=custom"):
+        configs.build("demo", ["comm.local_steps=4", "train.loop=fit"])
