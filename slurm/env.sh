@@ -45,14 +45,17 @@ hvrep_output_dir() {
 }
 
 # The runs of hvrep train a metrics.jsonl holds: each start appends one run, which begins with its
-# `config` event (rank 0 writes it once the configuration is read). 0 when the file is missing.
+# `config` event (rank 0 writes it once the configuration is read). 0 when the file is missing. A line cut
+# off by a crash (or any line that is not an event) is skipped with a warning on stderr (read_events,
+# hvrep/train/metrics.py): under `set -e` an error here would end the script before srun and its requeue.
 hvrep_runs() {
-  python - "$1" <<'PY'
-import json, sys
+  PYTHONPATH="$HVREP_HOME${PYTHONPATH:+:$PYTHONPATH}" python - "$1" <<'PY'
+import sys
+
+from hvrep.train.metrics import read_events
 
 try:
-    with open(sys.argv[1]) as f:
-        print(sum(json.loads(line)["event"] == "config" for line in f if line.strip()))
+    print(sum(e["event"] == "config" for e in read_events(sys.argv[1])))
 except OSError:
     print(0)
 PY
@@ -63,12 +66,13 @@ PY
 # after the N: a start that died before hvrep read its configuration). Count the runs before a start
 # (hvrep_runs) and ask about that start: the file's last run may be an earlier start's.
 hvrep_run_stopped() {
-  python - "$1" "$2" <<'PY'
-import json, sys
+  PYTHONPATH="$HVREP_HOME${PYTHONPATH:+:$PYTHONPATH}" python - "$1" "$2" <<'PY'
+import sys
+
+from hvrep.train.metrics import read_events
 
 try:
-    with open(sys.argv[1]) as f:
-        events = [json.loads(line) for line in f if line.strip()]
+    events = read_events(sys.argv[1])
 except OSError:
     events = []
 starts = [i for i, e in enumerate(events) if e["event"] == "config"]
