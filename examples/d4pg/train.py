@@ -30,7 +30,7 @@ import numpy as np
 
 from examples.d4pg.agent import D4PGConfig
 from hvrep.errors import ConfigError
-from hvrep.train.settings import app_main, apply_settings
+from hvrep.train.settings import app_main, apply_settings, check_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,18 +83,18 @@ class AppConfig:
     agent: D4PGConfig = dataclasses.field(default_factory=D4PGConfig)
 
     def __post_init__(self) -> None:
-        for name in ("batch", "n_step", "publish_every", "eval_episodes", "replay_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.actors_per_rank is not None and self.actors_per_rank < 1:
-            raise ConfigError(f"actors_per_rank must be >= 1 (or None: as the cores allow), got "
-                              f"{self.actors_per_rank}.")
+        # samples_per_insert=nan or a negative rate would leave the learner waiting for ever (the watchdog then
+        # calls it a hang, exit 75, and preemptible.sbatch requeues it): refused here, before any process starts.
+        check_ranges(self, _RANGES)
         if not 1 <= self.min_replay <= self.replay_size // 2:
             raise ConfigError(f"min_replay must be in [1, replay_size / 2 = {self.replay_size // 2}], got "
                               f"{self.min_replay}.")
-        for name in ("samples_per_insert", "actor_steps_per_sec", "sigma"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}.")
+
+
+_RANGES = {"steps": "[1, inf)", "batch": "[1, inf)", "actors_per_rank": "[1, inf)", "actor_steps_per_sec": "[0, inf)",
+           "sigma": "[0, inf)", "n_step": "[1, inf)", "replay_size": "[2, inf)", "samples_per_insert": "[0, inf)",
+           "publish_every": "[1, inf)", "steps_per_loop": "[1, inf)", "eval_every": "[0, inf)",
+           "eval_episodes": "[1, inf)", "checkpoint_every": "[0, inf)", "seed": "[0, inf)", "threads": "[1, inf)"}
 
 
 def config(overrides: Sequence[str]) -> AppConfig:
