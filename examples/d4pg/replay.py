@@ -21,8 +21,6 @@ of the policy that acted`` (float32; the step is exact up to 2^24).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -35,19 +33,13 @@ def row_width(obs_dim: int, act_dim: int) -> int:
     return 2 * obs_dim + act_dim + 3
 
 
-def make_folder(prefix: str) -> Path:
-    """A fresh folder in shared memory (/dev/shm where there is one)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-
-
 class Replay:
     """The rings of ``num_actors`` actors in ``folder`` (``create``: the learner makes the files; an actor
     attaches with ``create=False``)."""
 
     def __init__(self, folder: Path, num_actors: int, capacity: int, obs_dim: int, act_dim: int,
                  create: bool) -> None:
-        self.num_actors, self.obs_dim, self.act_dim = num_actors, obs_dim, act_dim
+        self.folder, self.num_actors, self.obs_dim, self.act_dim = folder, num_actors, obs_dim, act_dim
         self.per_actor = max(capacity // num_actors, 2 * MARGIN)
         self.width = row_width(obs_dim, act_dim)
         mode = "w+" if create else "r+"

@@ -179,6 +179,9 @@ class _App:
         self._write_pids()
 
     def _write_pids(self) -> None:
+        from examples.d4pg import shm
+
+        shm.record_owner(Path(self.replay.folder), self.pool.pids())
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._pid_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.pool.pids()))
@@ -261,11 +264,11 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     if cfg.threads:
         cores.set_pools(cfg.threads, f"threads={cfg.threads}")
 
-    from examples.d4pg import policy
+    from examples.d4pg import policy, shm
     from examples.d4pg.actor import ActorSpec
     from examples.d4pg.actors import ActorPool
     from examples.d4pg.agent import D4PG
-    from examples.d4pg.replay import Board, Replay, make_folder
+    from examples.d4pg.replay import Board, Replay
     from hvrep.train import resume as resuming
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.loop import LoopConfig, run_loop
@@ -281,7 +284,9 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     point = resuming.restore(repl, ckpt) if resume else None
     resumed = point.folder if point else None
     actors = cfg.actors_per_rank or default_actors(repl.local_size)
-    folder = make_folder(f"hvrep-d4pg-rank{repl.rank}-")
+    for line in shm.remove_dead():  # a run that ended by SIGKILL or os._exit left its replay in memory
+        print(f"d4pg: rank {repl.rank}: removed a dead run's replay {line}", file=sys.stderr, flush=True)
+    folder = shm.make_folder(f"{shm.PREFIX}rank{repl.rank}-")
     replay = Replay(folder, actors, cfg.replay_size, obs_dim, act_dim, create=True)
     board = Board(folder, policy.num_weights(obs_dim, act_dim, cfg.agent.hidden), create=True)
     board.publish(agent.policy_weights(), int(step.numpy()))  # before any actor starts: they never wait for it
