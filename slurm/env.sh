@@ -81,3 +81,38 @@ run = events[starts[before]:starts[before + 1] if len(starts) > before + 1 else 
 print(next((e.get("stopped", "") for e in reversed(run) if e["event"] == "final"), ""))
 PY
 }
+
+# The step the run after the first N runs of a metrics.jsonl got to: the `step` of its last event that has one
+# (its `final` event's, or the last `train` line before a crash); nothing when it recorded none.
+hvrep_run_step() {
+  PYTHONPATH="$HVREP_HOME${PYTHONPATH:+:$PYTHONPATH}" python - "$1" "$2" <<'PY'
+import sys
+
+from hvrep.train.metrics import read_events
+
+try:
+    events = read_events(sys.argv[1])
+except OSError:
+    events = []
+starts = [i for i, e in enumerate(events) if e["event"] == "config"]
+before = int(sys.argv[2])
+run = events[starts[before]:starts[before + 1] if len(starts) > before + 1 else None] if len(starts) > before else []
+print(next((e["step"] for e in reversed(run) if isinstance(e.get("step"), int)), ""))
+PY
+}
+
+# Whether a start's failure (a text naming its exit code and step) is the one the previous start of the job ended
+# with: prints "repeated" then, else nothing; either way records it in DIR for the next start. A requeue that
+# fails the same way twice in a row is deterministic, not transient (a hang at the same step), and would fail so
+# up to MAX_REQUEUES times. hvrep_forget_failure DIR: a start that did not fail.
+HVREP_FAILURE_FILE=.preemptible-last-failure
+hvrep_repeated_failure() {
+  local previous=""
+  mkdir -p "$1"
+  [[ -f $1/$HVREP_FAILURE_FILE ]] && previous=$(<"$1/$HVREP_FAILURE_FILE")
+  printf '%s\n' "$2" >"$1/$HVREP_FAILURE_FILE"
+  if [[ $previous == "$2" ]]; then echo repeated; fi
+}
+hvrep_forget_failure() {
+  rm -f "$1/$HVREP_FAILURE_FILE"
+}
