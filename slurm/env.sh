@@ -44,36 +44,65 @@ hvrep_output_dir() {
   printf '%s\n' "$dir"
 }
 
+# Python that reads a metrics.jsonl (argv[2]) into `events` with hvrep's own reader (read_events in
+# hvrep/train/metrics.py, argv[1]): a line cut off by a crash, or any line that is not an event, is skipped with
+# a warning on stderr; under `set -e` an error here would end the script before srun and its requeue. The file
+# is loaded by its path: importing the hvrep package would import TensorFlow on GPU builds (seconds a call). A
+# missing file holds no events.
+_HVREP_EVENTS='import importlib.util, sys
+spec = importlib.util.spec_from_file_location("hvrep_metrics", sys.argv[1])
+metrics = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(metrics)
+try:
+    events = metrics.read_events(sys.argv[2])
+except OSError:
+    events = []
+'
+
 # The runs of hvrep train a metrics.jsonl holds: each start appends one run, which begins with its
 # `config` event (rank 0 writes it once the configuration is read). 0 when the file is missing.
 hvrep_runs() {
-  python - "$1" <<'PY'
-import json, sys
-
-try:
-    with open(sys.argv[1]) as f:
-        print(sum(json.loads(line)["event"] == "config" for line in f if line.strip()))
-except OSError:
-    print(0)
-PY
+  python -c "${_HVREP_EVENTS}
+print(sum(e['event'] == 'config' for e in events))" "$HVREP_HOME/hvrep/train/metrics.py" "$1"
 }
+
+# The events of the run that came after the first N runs of a metrics.jsonl ([] when it never began), in Python.
+_HVREP_RUN="${_HVREP_EVENTS}
+starts = [i for i, e in enumerate(events) if e['event'] == 'config']
+before = int(sys.argv[3])
+run = events[starts[before]:starts[before + 1] if len(starts) > before + 1 else None] if len(starts) > before else []
+"
 
 # How the run that came after the first N runs of a metrics.jsonl ended: its `final` event's
 # `stopped`, or nothing when it wrote no `final` event (it crashed) or never began (no `config` event
 # after the N: a start that died before hvrep read its configuration). Count the runs before a start
 # (hvrep_runs) and ask about that start: the file's last run may be an earlier start's.
 hvrep_run_stopped() {
-  python - "$1" "$2" <<'PY'
-import json, sys
+  python -c "${_HVREP_RUN}
+print(next((e.get('stopped', '') for e in reversed(run) if e['event'] == 'final'), ''))" \
+    "$HVREP_HOME/hvrep/train/metrics.py" "$1" "$2"
+}
 
-try:
-    with open(sys.argv[1]) as f:
-        events = [json.loads(line) for line in f if line.strip()]
-except OSError:
-    events = []
-starts = [i for i, e in enumerate(events) if e["event"] == "config"]
-before = int(sys.argv[2])
-run = events[starts[before]:starts[before + 1] if len(starts) > before + 1 else None] if len(starts) > before else []
-print(next((e.get("stopped", "") for e in reversed(run) if e["event"] == "final"), ""))
-PY
+# The step the run after the first N runs of a metrics.jsonl got to: the `step` of its last event that has one
+# (its `final` event's, or the last `train` line before a crash); nothing when it recorded none.
+hvrep_run_step() {
+  python -c "${_HVREP_RUN}
+print(next((e['step'] for e in reversed(run) if isinstance(e.get('step'), int)), ''))" \
+    "$HVREP_HOME/hvrep/train/metrics.py" "$1" "$2"
+}
+
+# Whether a start's failure (a text naming its exit code and step) is the one the previous start of the job ended
+# with: prints "repeated" then, else nothing; either way records it in DIR for the next start. A requeue that
+# fails the same way twice in a row is deterministic, not transient (a hang at the same step), and would fail so
+# up to MAX_REQUEUES times. hvrep_forget_failure DIR: a start that did not fail.
+HVREP_FAILURE_FILE=.preemptible-last-failure
+hvrep_repeated_failure() {
+  local previous=""
+  mkdir -p "$1"
+  [[ -f $1/$HVREP_FAILURE_FILE ]] && previous=$(<"$1/$HVREP_FAILURE_FILE")
+  printf '%s\n' "$2" >"$1/$HVREP_FAILURE_FILE"
+  if [[ $previous == "$2" ]]; then echo repeated; fi
+}
+hvrep_forget_failure() {
+  rm -f "$1/$HVREP_FAILURE_FILE"
 }

@@ -5,15 +5,19 @@
 Started by ``actors.ActorPool`` (a fresh interpreter, never a fork). It imports NumPy and gymnasium only (no
 TensorFlow: a few MB and milliseconds to start, and nothing of the learner's threads or Horovod). It never waits
 for the learner: it looks at the board's sequence number every step and copies new weights when there are some
-(the learner publishes every ``publish_every`` learner steps), and exits when its parent process is gone.
+(the learner publishes every ``publish_every`` learner steps), and exits when its parent process is gone: the
+kernel kills it then (a parent-death signal, :func:`die_with_parent`), also when it is stopped (SIGSTOP) or the
+learner was SIGKILLed or left by ``os._exit`` (the hang watchdog), which no cleanup code of the learner survives.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,6 +44,7 @@ class ActorSpec:
     gamma: float
     max_steps_per_sec: float  # 0: as fast as it can
     chunk: int = 32  # rows per replay write (< replay.MARGIN)
+    parent: int = 0  # the learner's pid: the actor ends when it is no longer its parent (0: whoever started it)
 
 
 def run(spec: ActorSpec, max_env_steps: int = 0) -> int:
@@ -123,9 +128,28 @@ def run(spec: ActorSpec, max_env_steps: int = 0) -> int:
     return steps
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> bool:
+    """Asks the kernel for SIGKILL when the thread that started this process ends (prctl PR_SET_PDEATHSIG);
+    returns False when ``parent`` is already gone (this process was orphaned before it asked).
+
+    SIGKILL, not SIGTERM: it ends a stopped process too. The learner starts its actors from its main thread
+    (``ActorPool``), which lives as long as the learner: the signal is tied to the thread that forked, not the
+    process, so an actor started from a thread that ends would be killed with it.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return parent <= 0 or os.getppid() == parent
+
+
 def main(argv: list[str]) -> int:
     raw = json.loads(argv[0])
     spec = ActorSpec(**{**raw, "hidden": tuple(raw["hidden"])})
+    if not die_with_parent(spec.parent):
+        return 0  # the learner ended before this actor could tie itself to it
     run(spec, max_env_steps=int(argv[1]) if len(argv) > 1 else 0)
     return 0
 

@@ -3,16 +3,19 @@
 Each actor is ``python -m examples.d4pg.actor SPEC`` started with ``subprocess`` (fork and exec at once: nothing
 of the learner's threads, TensorFlow or Horovod is inherited), in an environment without the launcher's job
 variables (``hvrep._env.job_free_environ``), one NumPy/BLAS thread. ``check`` (the learner calls it between
-loops) restarts an actor that exited, with a new seed, and says so; the job goes on.
+loops) restarts an actor that exited, with a new seed, and says so; the job goes on. An actor ends with the
+learner however the learner ends (``actor.die_with_parent``); ``close`` continues a stopped actor before it ends it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,9 +40,15 @@ class ActorPool:
         self.procs: list[subprocess.Popen | None] = [None] * len(specs)
         self._logs: list[IO[bytes] | None] = [None] * len(specs)
         self.restarts = [0] * len(specs)
+        # An actor's parent-death signal follows the thread that started it: only the thread that made the pool
+        # (the learner's main thread, which lives as long as the learner) starts actors.
+        self._thread = threading.current_thread()
 
     def _start(self, i: int) -> None:
-        spec = self.specs[i]
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError(f"ActorPool starts actors only from the thread that made it ({self._thread.name}): "
+                               "an actor is killed when the thread that started it ends")
+        spec = dataclasses.replace(self.specs[i], parent=os.getpid())
         if self.restarts[i]:  # a new seed: the same seed would replay the episodes the dead actor sent
             spec = dataclasses.replace(spec, seed=spec.seed + 100_003 * self.restarts[i])
         pythonpath = _env.job_free_environ().get(_env.PYTHONPATH, "")

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import hvrep
 from hvrep.errors import ConfigError
+from hvrep.train.settings import check_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,16 +59,19 @@ class D4PGConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.atoms < 2:
-            raise ConfigError(f"atoms must be >= 2, got {self.atoms}.")
+        check_ranges(self, _RANGES, prefix="agent.")
+        if not self.hidden or min(self.hidden) < 1:
+            raise ConfigError(f"agent.hidden must be one or more layer widths >= 1, got {self.hidden}. Fix: e.g. "
+                              "agent.hidden=256,256 (the default).")
         if not self.v_min < self.v_max:
             raise ConfigError(f"v_min must be < v_max, got v_min={self.v_min}, v_max={self.v_max}.")
-        if not 0.0 < self.tau <= 1.0:
-            raise ConfigError(f"tau must be in (0, 1], got {self.tau}.")
-        if self.target_period < 0:
-            raise ConfigError(f"target_period must be >= 0 (0: soft updates with tau), got {self.target_period}.")
         if self.optimizer not in ("adam", "sgd"):
             raise ConfigError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}.")
+
+
+_RANGES = {"atoms": "[2, inf)", "v_min": "(-inf, inf)", "v_max": "(-inf, inf)", "reward_scale": "(0, inf)",
+           "gamma": "[0, 1]", "lr_policy": "(0, inf)", "lr_critic": "(0, inf)", "tau": "(0, 1]",
+           "target_period": "[0, inf)", "seed": "[0, inf)"}
 
 
 def _mlp(inputs: int, hidden: tuple[int, ...], outputs: int, name: str) -> keras.Model:

@@ -4,9 +4,12 @@ Why files and no queue: an actor may be stopped (SIGSTOP) or killed at any insta
 held half-written would then stop the learner too; here nothing an actor does can make the learner wait.
 
 - **Replay**: one bounded ring per actor (``capacity // num_actors`` rows each) and a counter per actor of the
-  rows it ever wrote. An actor writes rows, then raises its counter (one aligned 8-byte store), so the learner
-  never reads a row whose counter is not up. Sampling is uniform over every stored row of every ring, less the
-  ``MARGIN`` oldest rows of a full ring (the next ones its actor overwrites while the learner reads).
+  rows it ever wrote. An actor writes at most ``MARGIN`` rows, then raises its counter (one aligned 8-byte
+  store), so the learner never reads a row whose counter is not up. Sampling is uniform over the newest
+  ``ring - MARGIN`` published rows of each ring (all of them while fewer): the ``MARGIN`` slots after the
+  newest row, which the actor's next write fills, are never read, also while the ring wraps for the first time
+  and while an actor is stopped between its rows and its counter. After its copy the learner reads the counters
+  again and draws anew any row a fast actor may have overwritten meanwhile.
   A restarted actor takes over its ring and counter.
 - **Board**: the learner's newest policy weights under a sequence lock (one writer: the learner). The sequence is
   odd while the learner writes; an actor copies the weights and keeps the copy only if the sequence was even
@@ -18,8 +21,6 @@ of the policy that acted`` (float32; the step is exact up to 2^24).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +33,13 @@ def row_width(obs_dim: int, act_dim: int) -> int:
     return 2 * obs_dim + act_dim + 3
 
 
-def make_folder(prefix: str) -> Path:
-    """A fresh folder in shared memory (/dev/shm where there is one)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-
-
 class Replay:
     """The rings of ``num_actors`` actors in ``folder`` (``create``: the learner makes the files; an actor
     attaches with ``create=False``)."""
 
     def __init__(self, folder: Path, num_actors: int, capacity: int, obs_dim: int, act_dim: int,
                  create: bool) -> None:
-        self.num_actors, self.obs_dim, self.act_dim = num_actors, obs_dim, act_dim
+        self.folder, self.num_actors, self.obs_dim, self.act_dim = folder, num_actors, obs_dim, act_dim
         self.per_actor = max(capacity // num_actors, 2 * MARGIN)
         self.width = row_width(obs_dim, act_dim)
         mode = "w+" if create else "r+"
@@ -53,7 +48,10 @@ class Replay:
 
     # --- the actor's side
     def add(self, actor: int, rows: np.ndarray) -> None:
-        """Appends ``rows`` (k, width) to ``actor``'s ring, then publishes them (raises the counter)."""
+        """Appends ``rows`` (k <= MARGIN, width) to ``actor``'s ring, then publishes them (raises the counter)."""
+        if len(rows) > MARGIN:
+            raise ValueError(f"an actor writes at most MARGIN={MARGIN} rows before raising its counter, got "
+                             f"{len(rows)}: the learner may be reading the slots past them")
         count = int(self.counters[actor, 0])
         idx = (count + np.arange(len(rows))) % self.per_actor
         self.rows[actor, idx] = rows
@@ -73,27 +71,34 @@ class Replay:
         return int(self.counters[:, 1].sum())
 
     def _valid(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows ever published, rows that may be read) per actor: the newest ring - MARGIN published rows."""
         counts = np.array(self.counters[:, 0])
-        full = counts > self.per_actor
-        return counts, np.where(full, self.per_actor - MARGIN, counts)
+        return counts, np.minimum(counts, self.per_actor - MARGIN)
 
     def size(self) -> int:
         """Rows that can be sampled now."""
         return int(self._valid()[1].sum())
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """``n`` rows (n, width) drawn uniformly, with replacement, from every stored row."""
-        counts, valid = self._valid()
-        total = int(valid.sum())
-        if total == 0:
-            raise ValueError("the replay is empty")
-        draw = rng.integers(0, total, size=n)
-        ends = np.cumsum(valid)
-        actor = np.searchsorted(ends, draw, side="right")
-        offset = draw - (ends[actor] - valid[actor])
-        # A full ring: offsets count from its oldest row that is safe to read.
-        start = np.where(counts[actor] > self.per_actor, counts[actor] + MARGIN, 0)
-        return np.array(self.rows[actor, (start + offset) % self.per_actor])
+        """``n`` rows (n, width) drawn uniformly, with replacement, from the rows that may be read."""
+        out = np.empty((n, self.width), np.float32)
+        todo = np.arange(n)
+        while todo.size:
+            counts, valid = self._valid()
+            total = int(valid.sum())
+            if total == 0:
+                raise ValueError("the replay is empty")
+            draw = rng.integers(0, total, size=todo.size)
+            ends = np.cumsum(valid)
+            actor = np.searchsorted(ends, draw, side="right")
+            # Each row's number in its actor's stream: the oldest readable one plus the offset into the readable.
+            number = counts[actor] - valid[actor] + draw - (ends[actor] - valid[actor])
+            out[todo] = self.rows[actor, number % self.per_actor]
+            # An actor that wrote more than MARGIN rows during the copy (it published some) may have overwritten
+            # a row read: those numbers are below its new count + MARGIN - ring. Drawn again.
+            now = np.array(self.counters[:, 0])
+            todo = todo[number < now[actor] + MARGIN - self.per_actor]
+        return out
 
 
 class Board:

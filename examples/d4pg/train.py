@@ -31,7 +31,7 @@ import numpy as np
 
 from examples.d4pg.agent import D4PGConfig
 from hvrep.errors import ConfigError
-from hvrep.train.settings import app_main, apply_settings
+from hvrep.train.settings import app_main, apply_settings, check_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +86,12 @@ class AppConfig:
     agent: D4PGConfig = dataclasses.field(default_factory=D4PGConfig)
 
     def __post_init__(self) -> None:
-        for name in ("per_replica_batch", "n_step", "publish_every", "eval_episodes", "replay_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.actors_per_rank is not None and self.actors_per_rank < 1:
-            raise ConfigError(f"actors_per_rank must be >= 1 (or None: as the cores allow), got "
-                              f"{self.actors_per_rank}.")
+        # samples_per_insert=nan or a negative rate would leave the learner waiting for ever (the watchdog then
+        # calls it a hang, exit 75, and preemptible.sbatch requeues it): refused here, before any process starts.
+        check_ranges(self, _RANGES)
         if not 1 <= self.min_replay <= self.replay_size // 2:
             raise ConfigError(f"min_replay must be in [1, replay_size / 2 = {self.replay_size // 2}], got "
                               f"{self.min_replay}.")
-        for name in ("samples_per_insert", "actor_steps_per_sec", "sigma"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}.")
 
     @property
     def batch(self) -> int:
@@ -106,6 +100,12 @@ class AppConfig:
                       DeprecationWarning, stacklevel=2)
         return self.per_replica_batch
 
+
+_RANGES = {"steps": "[1, inf)", "per_replica_batch": "[1, inf)", "actors_per_rank": "[1, inf)",
+           "actor_steps_per_sec": "[0, inf)", "sigma": "[0, inf)", "n_step": "[1, inf)", "replay_size": "[2, inf)",
+           "samples_per_insert": "[0, inf)", "publish_every": "[1, inf)", "steps_per_loop": "[1, inf)",
+           "eval_every": "[0, inf)", "eval_episodes": "[1, inf)", "checkpoint_every": "[0, inf)", "seed": "[0, inf)",
+           "threads": "[1, inf)"}
 
 # Settings renamed so that a batch says whether it is global or per replica: old name -> new name (same meaning).
 RENAMED = {"batch": "per_replica_batch"}
@@ -208,6 +208,9 @@ class _App:
         self._write_pids()
 
     def _write_pids(self) -> None:
+        from examples.d4pg import shm
+
+        shm.record_owner(Path(self.replay.folder), self.pool.pids())
         self._pid_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._pid_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.pool.pids()))
@@ -290,11 +293,11 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     if cfg.threads:
         cores.set_pools(cfg.threads, f"threads={cfg.threads}")
 
-    from examples.d4pg import policy
+    from examples.d4pg import policy, shm
     from examples.d4pg.actor import ActorSpec
     from examples.d4pg.actors import ActorPool
     from examples.d4pg.agent import D4PG
-    from examples.d4pg.replay import Board, Replay, make_folder
+    from examples.d4pg.replay import Board, Replay
     from hvrep.train import resume as resuming
     from hvrep.train.checkpoint import CheckpointManager
     from hvrep.train.loop import LoopConfig, run_loop
@@ -310,7 +313,9 @@ def run(cfg: AppConfig, resume: bool = False) -> dict[str, Any]:
     point = resuming.restore(repl, ckpt) if resume else None
     resumed = point.folder if point else None
     actors = cfg.actors_per_rank or default_actors(repl.local_size)
-    folder = make_folder(f"hvrep-d4pg-rank{repl.rank}-")
+    for line in shm.remove_dead():  # a run that ended by SIGKILL or os._exit left its replay in memory
+        print(f"d4pg: rank {repl.rank}: removed a dead run's replay {line}", file=sys.stderr, flush=True)
+    folder = shm.make_folder(f"{shm.PREFIX}rank{repl.rank}-")
     replay = Replay(folder, actors, cfg.replay_size, obs_dim, act_dim, create=True)
     board = Board(folder, policy.num_weights(obs_dim, act_dim, cfg.agent.hidden), create=True)
     board.publish(agent.policy_weights(), int(step.numpy()))  # before any actor starts: they never wait for it

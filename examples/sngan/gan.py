@@ -27,6 +27,7 @@ import tensorflow as tf
 import hvrep
 from examples.sngan import model as models
 from hvrep.errors import ConfigError
+from hvrep.train.settings import check_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,9 @@ class GANConfig:
             raise ConfigError(f"n_dis must be in [1, 63], got {self.n_dis}.")
         if self.optimizer not in ("adam", "sgd"):
             raise ConfigError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}.")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}.")
+        check_ranges(self, {"num_classes": "[1, inf)", "z_dim": "[1, inf)", "g_width": "[1, inf)",
+                            "d_width": "[1, inf)", "lr_g": "(0, inf)", "lr_d": "(0, inf)", "beta1": "[0, 1)",
+                            "beta2": "[0, 1)", "ema_decay": "[0, 1)", "seed": "[0, inf)"}, prefix="gan.")
 
 
 class SNGAN:

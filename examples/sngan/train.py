@@ -28,7 +28,7 @@ from typing import Any
 
 from examples.sngan.gan import GANConfig
 from hvrep.errors import ConfigError
-from hvrep.train.settings import app_main, apply_settings
+from hvrep.train.settings import app_main, apply_settings, check_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,8 @@ class AppConfig:
     gan: GANConfig = dataclasses.field(default_factory=GANConfig)
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1:
-            raise ConfigError(f"global_batch must be >= 1, got {self.global_batch}.")
+        check_ranges(self, {"global_batch": "[1, inf)", "steps": "[1, inf)", "steps_per_loop": "[1, inf)",
+                            "eval_every": "[0, inf)", "checkpoint_every": "[0, inf)", "threads": "[1, inf)"})
 
 
 def config(overrides: Sequence[str]) -> AppConfig:

@@ -56,6 +56,7 @@ from hvrep.errors import ConfigError, DataError, HvrepError
 from hvrep.perf import costmodel
 from hvrep.perf.slowlinks import SLOW_LINKS, load_slow_links, render_slow_links
 from hvrep.perf.summary import throughput
+from hvrep.train.metrics import read_json_lines
 
 _METRICS = "metrics.jsonl"
 _THROUGHPUT_PNG, _EFFICIENCY_PNG, _BREAKDOWN_PNG = "throughput.png", "efficiency.png", "breakdown.png"
@@ -215,9 +216,9 @@ def load_results(paths: Iterable[str | Path], allow_empty: bool = False) -> list
             if not metrics.is_file():
                 raise DataError(f"{path} is a folder without {_METRICS}. Fix: point at the output_dir of an "
                                 "`hvrep train` run, or at a benchmark .jsonl file.")
-            runs.append(_run_from_metrics(path, _read_jsonl(metrics)))
+            runs.append(_run_from_metrics(path, _read_jsonl(metrics, key="event")))
         elif path.is_file():
-            records = _read_jsonl(path)
+            records = _read_jsonl(path, key="event" if path.name == _METRICS else None)
             if records and "event" in records[0][1]:
                 runs.append(_run_from_metrics(path.parent if path.name == _METRICS else path, records))
             else:
@@ -229,19 +230,10 @@ def load_results(paths: Iterable[str | Path], allow_empty: bool = False) -> list
     return runs
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{number} is not JSON ({e.msg}). Fix: pass a JSON-lines file; a line cut "
-                            "off by a crash can be deleted.") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{number} is a JSON {type(record).__name__}, not an object.")
-        records.append((number, record))
+def _read_jsonl(path: Path, key: str | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """The file's JSON objects (with ``key``: those holding it); a line cut off by a crash, or a foreign one, is
+    skipped with a warning (:func:`hvrep.train.metrics.read_json_lines`)."""
+    records = read_json_lines(path, key)
     if not records:
         raise DataError(f"{path} is empty. Fix: point at a finished run or benchmark.")
     return records

@@ -12,19 +12,20 @@ batch), *strong* when it has RUN's global batch (each replica's work halves at
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from hvrep.errors import HvrepError
+from hvrep.train.metrics import read_events
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The events of ``run_dir``'s metrics.jsonl (torn or foreign lines skipped with a warning)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise HvrepError(f"{path} does not exist. Fix: point at the output_dir of an `hvrep train` run.")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_events(path)
 
 
 def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -38,10 +38,13 @@ not go through Horovod:
   collective has waited ``timeout_s`` plus a grace period.
 
 Under horovodrun's elastic driver (``hvrep.elastic``) a timeout ends only the ranks that did not join, where
-rank 0 can reach them: on its own host (their authenticated heartbeats named host and pid), with SIGKILL,
-which a stopped process gets too. The driver then drops that worker, the others' collective fails, and
-``hvrep.elastic.run`` rolls them back and goes on in the smaller world. A stuck rank on another host, or rank
-0 itself stuck, still ends every rank, as without elasticity.
+rank 0 can prove which process each is: their authenticated heartbeats carry their process identity (kernel
+boot id, pid namespace, pid and start time: ``hvrep.replica.identity``), and rank 0 sees the same boot and pid
+namespace and that pid with that start time. Those it ends with SIGKILL, which a stopped process gets too. A
+host name proves nothing (containers share one; nodes may all be ``localhost``). The driver then drops that
+worker, the others' collective fails, and ``hvrep.elastic.run`` rolls them back and goes on in the smaller
+world. A stuck rank rank 0 cannot prove (another host, another pid namespace), or rank 0 itself stuck, still
+ends every rank, as without elasticity.
 
 The training step that timed out never returns, so nothing after it runs: no
 checkpoint is written from it, and the last complete checkpoint stays the
@@ -83,6 +86,7 @@ import tensorflow as tf
 
 from hvrep import _env
 from hvrep.errors import EXIT_CODES, EXIT_HANG, EXIT_MISMATCH, ExitCode, WatchdogError
+from hvrep.replica.identity import ProcessIdentity
 
 # One message, either way: a heartbeat is under 2 KiB, an answer carries at most the verdict's first line.
 MAX_LINE = 64 * 1024
@@ -260,6 +264,8 @@ def _heartbeat_state(body: bytes, size: int) -> dict[str, Any]:
             raise ValueError(key)
     if not 0 <= state["rank"] < size:
         raise ValueError("rank")
+    if not isinstance(state.get("proc", {}), dict):
+        raise ValueError("proc")
     waiting = state.get("waiting", [])
     if not isinstance(waiting, list) or not all(isinstance(w, str) for w in waiting):
         raise ValueError("waiting")
@@ -672,31 +678,37 @@ class Watchdog:
                 return
 
     def _stuck_here(self, found: Verdict) -> bool:
-        """Elastic training: whether every rank that did not join can be ended from here: rank 0 shares their
-        host (their authenticated heartbeats named host and pid). Otherwise every rank ends, as without
-        elasticity. Called with the lock held."""
-        me = socket.gethostname()
+        """Elastic training: whether every rank that did not join can be ended from here: its heartbeat's process
+        identity is proven to be a process rank 0 sees (same boot, same pid namespace, that pid with that start
+        time). Otherwise every rank ends, as without elasticity. Called with the lock held."""
         targets = {r: self._states.get(r, (0.0, {}))[1] for r in found.missing}
-        return bool(targets) and all(st.get("host") == me and st.get("pid") and r != self.rank
-                                     for r, st in targets.items())
+        return bool(targets) and all(r != self.rank and _proven(st) is not None for r, st in targets.items())
 
     def _end_stuck(self, found: Verdict) -> None:
         """Ends only the ranks that did not join (SIGKILL, which a stopped process gets too), so the elastic
         driver drops them and the others' collective fails into a reset (``hvrep.elastic.run``) instead of
-        hanging. Their heartbeat records go: the next verdict is about the new world."""
+        hanging. Their heartbeat records go: the next verdict is about the new world. Each is proven again just
+        before its signal: a rank that ended meanwhile may have left its pid to another process."""
         with self._lock:
             targets = {r: self._states.pop(r, (0.0, {}))[1] for r in found.missing}
         for r, st in targets.items():
             first = found.report.splitlines()[0].split(" Exiting every rank")[0]
-            print(f"{first} Elastic training: ending only rank {r} (pid {st['pid']}); the others go on without it.",
+            proc = _proven(st)
+            if proc is None:
+                print(f"{first} Elastic training: rank {r} (pid {st.get('pid')}) has ended; nothing to signal.",
+                      file=sys.stderr, flush=True)
+                continue
+            print(f"{first} Elastic training: ending only rank {r} (pid {proc.pid}); the others go on without it.",
                   file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
-                os.kill(int(st["pid"]), signal.SIGKILL)
+                os.kill(proc.pid, signal.SIGKILL)
 
     # --- every rank: the heartbeat ----------------------------------------------------------
 
     def _heartbeat(self) -> None:
         me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
+        with contextlib.suppress(OSError):  # no /proc: rank 0 cannot prove which process this is, and ends all
+            me["proc"] = ProcessIdentity.mine().to_json()
         last_answer = _now()
         while not self._ended:
             try:
@@ -764,6 +776,13 @@ class Watchdog:
         for callback in self._callbacks:
             with contextlib.suppress(Exception):
                 callback(stopped, report)
+
+
+def _proven(state: Mapping[str, Any]) -> ProcessIdentity | None:
+    """The process a heartbeat's identity names, when this process can prove it runs (same boot, pid namespace,
+    pid and start time); None otherwise."""
+    proc = ProcessIdentity.from_json(state.get("proc"))
+    return proc if proc is not None and proc.pid == state.get("pid") and proc.alive() else None
 
 
 def _ignore_sigterm() -> None:

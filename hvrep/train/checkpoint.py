@@ -16,6 +16,13 @@ complete and a crash at any point leaves the previous checkpoints readable.
 Checkpoints are ordered by save order (``sequence``), not by step: after
 restoring an older checkpoint and training on, the new saves are the newest
 and the abandoned ones are pruned first.
+
+A checkpoint damaged after it was published (a truncated or bit-flipped data
+file: a disk or file-system fault, or a copy cut short) is found by reading
+every value back, as a restore does, checksums included (:func:`damage`);
+``restore()`` and ``hvrep train --resume`` then fall back to the newest intact
+checkpoint, naming the one they skipped and why. ``keep`` >= 2 (the default is
+3) leaves one to fall back to.
 """
 
 from __future__ import annotations
@@ -83,6 +90,25 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
+def damage(folder: str | os.PathLike) -> str | None:
+    """Why the checkpoint in ``folder`` cannot be read back, or None when every value it holds reads whole.
+
+    Reads each saved value once (one at a time: memory for the largest only), which checks the data file's
+    length and TensorFlow's checksum of each value: the reads a restore would make, without restoring.
+    """
+    prefix = str(Path(folder) / _PREFIX)
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        for name in sorted(reader.get_variable_to_shape_map()):
+            reader.get_tensor(name)
+    # A truncated data file raises IndexError ("Read less bytes than requested"), a flipped bit an OpError
+    # ("Checksum does not match"), a missing file NotFoundError (TF 2.21).
+    except (tf.errors.OpError, IndexError, ValueError) as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{type(err).__name__}: {text[:300]}"
+    return None
+
+
 def _fsync(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -101,6 +127,19 @@ def _size(folder: Path) -> int:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def skipped_message(folder: Path, why: str, instead: Path | None) -> str:
+    """The warning for a damaged checkpoint a resume skips."""
+    then = f"resuming from {instead.name}, the newest intact one" if instead else "no older one is intact"
+    return f"skipped checkpoint {folder} (it cannot be read back: {why}); {then}."
+
+
+def all_damaged_message(directory: Path, skipped: list[tuple[Path, str]]) -> str:
+    """The error when every checkpoint in ``directory`` is damaged."""
+    listed = "; ".join(f"{folder.name}: {why}" for folder, why in skipped)
+    return (f"every checkpoint in {directory} is damaged ({listed}). Fix: put back an intact copy of one, or "
+            "start afresh with --overwrite (the damaged run is moved aside) or another output_dir.")
 
 
 class CheckpointManager:
@@ -189,6 +228,20 @@ class CheckpointManager:
         found = self._scan()
         return found[-1][2] if found else None
 
+    def newest_intact(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The most recently saved checkpoint that reads back whole (:func:`damage`), and the newer ones skipped.
+
+        Returns:
+          (folder or None when none is intact, [(damaged folder, why)] newest first).
+        """
+        skipped: list[tuple[Path, str]] = []
+        for folder in reversed(self.all()):
+            why = damage(folder)
+            if why is None:
+                return folder, skipped
+            skipped.append((folder, why))
+        return None, skipped
+
     def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> Path | None:
         """Writes a checkpoint to ``directory/ckpt-<step:08d>`` (chief only).
 
@@ -253,15 +306,22 @@ class CheckpointManager:
 
         Returns:
           The folder restored, or None when ``path`` is None and there is no
-          checkpoint yet (a fresh start: nothing was changed).
+          checkpoint yet (a fresh start: nothing was changed). With ``path``
+          None, a damaged newest checkpoint is skipped with a warning naming it
+          and why, and the newest intact one is restored.
 
         Raises:
           hvrep.errors.CheckpointError: ``path`` is not a complete checkpoint (the
-            message lists the available ones), or it does not match the trackables.
+            message lists the available ones), every checkpoint is damaged, or it
+            does not match the trackables.
         """
         if path is None:
-            folder = self.latest()
+            folder, skipped = self.newest_intact()
+            for bad, why in skipped:
+                warnings.warn(skipped_message(bad, why, folder), stacklevel=2)
             if folder is None:
+                if skipped:
+                    raise CheckpointError(all_damaged_message(self.directory, skipped))
                 return None
         else:
             folder = Path(path).absolute()

@@ -187,7 +187,7 @@ class CheckpointConfig:
     Attributes:
       every_epochs: save at the end of every this many epochs.
       every_steps: also save every this many steps; None: only per epoch.
-      keep: checkpoints kept.
+      keep: checkpoints kept (>= 2 leaves one to fall back to when the newest is found damaged at a resume).
     """
 
     every_epochs: int = 1

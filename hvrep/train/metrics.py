@@ -9,16 +9,80 @@ Other records of the run (the MLPerf log of ``train.mllog``, ``mlperf.py``) are
 metrics.jsonl and the moments metrics.jsonl does not record (:meth:`MetricsWriter.mark`:
 an epoch's or an evaluation's start), so both loops feed them through the
 calls they make anyway.
+
+Every reader of metrics.jsonl (resume's append, ``slurm/env.sh``, ``hvrep report``, the summary) goes
+through :func:`read_events`: a line cut off by a crash mid-write, or one that is not an event, is skipped
+with a warning instead of stopping the reader (a Slurm script under ``set -e`` would never requeue again).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+_log = logging.getLogger("hvrep")
+
+
+def read_json_lines(path: str | Path, key: str | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """The JSON objects of a JSON-lines file as (line number, object), in order.
+
+    A line that is not JSON (torn by a crash mid-write), not an object, or (with ``key``) an object without
+    ``key`` is skipped with a warning naming the file and line. Blank lines are skipped silently.
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                _log.warning("hvrep: %s:%d is not JSON (%s: a line cut off by a crash mid-write?); skipped it",
+                             path, number, e.msg)
+                continue
+            if not isinstance(record, dict) or (key is not None and key not in record):
+                what = f"an object without {key!r}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+                _log.warning("hvrep: %s:%d is %s, not a record of this file; skipped it", path, number, what)
+                continue
+            records.append((number, record))
+    return records
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The events of a metrics.jsonl in order, each a dict with an ``"event"``; torn or foreign lines skipped
+    with a warning (:func:`read_json_lines`).
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    return [record for _, record in read_json_lines(path, key="event")]
+
+
+def _end_torn_line(path: Path) -> None:
+    """Ends a last line a crash cut off, so that the next record starts a line of its own instead of being
+    glued to the fragment (and lost with it)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() == 0:
+                return
+            f.seek(-1, 2)
+            if f.read(1) == b"\n":
+                return
+    except FileNotFoundError:
+        return
+    _log.warning("hvrep: the last line of %s was cut off (a crash mid-write); appending after it on a new line",
+                 path)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("\n")
 
 
 class Listener(Protocol):
@@ -78,6 +142,7 @@ class MetricsWriter:
             import tensorflow as tf
 
             output_dir.mkdir(parents=True, exist_ok=True)
+            _end_torn_line(output_dir / "metrics.jsonl")
             self._file = open(output_dir / "metrics.jsonl", "a")
             self._tb = tf.summary.create_file_writer(str(output_dir / "tensorboard"))
 

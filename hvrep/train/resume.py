@@ -26,11 +26,12 @@ import tensorflow as tf
 import hvrep
 from hvrep.data.plan import Segment
 from hvrep.errors import CheckpointError
-from hvrep.train.checkpoint import CheckpointManager, read_metadata
+from hvrep.train.checkpoint import CheckpointManager, all_damaged_message, read_metadata, skipped_message
 
 log = logging.getLogger(__name__)
 
-_NONE, _UNREADABLE = -1, -2  # what a rank reports when it finds no checkpoint / cannot list the directory
+# What a rank reports when it finds no checkpoint / cannot list the directory / finds only damaged ones.
+_NONE, _UNREADABLE, _DAMAGED = -1, -2, -3
 
 # The layout of the training app's checkpoints, in checkpoint.json's "format". 2: both loops save the same
 # trackables (model, optimizer, step, epoch, position, [accumulation]), the optimizer as the custom loop holds
@@ -133,6 +134,8 @@ def _describe(view: np.ndarray) -> str:
     step = int(view[0])
     if step == _UNREADABLE:
         return "could not list the directory"
+    if step == _DAMAGED:
+        return "found only damaged checkpoints"
     return "found no checkpoint" if step == _NONE else f"found ckpt-{step:08d} (step {step}, save #{int(view[1])})"
 
 
@@ -167,10 +170,14 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
         pending accumulation cannot continue with ``accumulation_steps``.
     """
     where = checkpoints.directory
+    skipped: list[tuple[Path, str]] = []
     try:
-        newest = checkpoints.latest()
+        # A checkpoint damaged after its save (a truncated data file) is skipped for the newest intact one.
+        newest, skipped = checkpoints.newest_intact()
+        for bad, why in skipped:
+            log.warning("%s", skipped_message(bad, why, newest))
         record = read_metadata(newest) if newest is not None else None
-        mine = [int(record["step"]), int(record["sequence"])] if record else [_NONE, _NONE]
+        mine = [int(record["step"]), int(record["sequence"])] if record else [_DAMAGED if skipped else _NONE] * 2
     except CheckpointError as err:  # reported below, once every rank has said what it found
         log.error("%s", err)
         mine = [_UNREADABLE, _UNREADABLE]
@@ -181,6 +188,10 @@ def restore(repl: hvrep.Replicator, checkpoints: CheckpointManager, accumulation
             "readable on every node (the ranks' own error is in their logs), then resume again."
         )
     chief = views[0]
+    if chief[0] == _DAMAGED:
+        raise CheckpointError(all_damaged_message(where, skipped) if skipped else
+                              f"the chief found every checkpoint in {where} damaged (its log names each and why). Fix: "
+                              "put back an intact copy of one, or start afresh with --overwrite or another output_dir.")
     for r, view in enumerate(views[1:], 1):
         if (view != chief).any():
             log.warning("rank %d %s; every rank follows the chief's: %s", r, _describe(view), _describe(chief))

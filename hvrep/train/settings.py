@@ -5,11 +5,14 @@
 
 No TensorFlow here: an app checks its settings before it imports it, so a typo costs no start-up.
 ``app_main`` is an app's whole command line: ``sys.exit(app_main("d4pg", config, run))``.
+``check_ranges`` is an app configuration's range check, one line per bad value as ``hvrep train``'s: a NaN, an
+infinity or a value outside its interval would otherwise start a run that waits for ever or diverges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -31,6 +34,43 @@ def _parse(value: str, like: Any) -> Any:
     if like is None:
         return None if value.lower() == "none" else int(value)
     return type(like)(value)
+
+
+def _interval(text: str) -> tuple[float, float, bool, bool]:
+    """"[0, 1)" -> (0.0, 1.0, low closed, high open)."""
+    low, high = (float(x) for x in text[1:-1].split(","))
+    return low, high, text[0] == "[", text[-1] == "]"
+
+
+def check_ranges(config: Any, ranges: dict[str, str], prefix: str = "") -> None:
+    """Raises ConfigError when a field of the dataclass ``config`` lies outside its interval.
+
+    Args:
+      config: a dataclass instance (called from its ``__post_init__``).
+      ranges: field name -> interval as text, e.g. ``{"gamma": "[0, 1]", "lr": "(0, inf)"}``. A field whose
+        default is an int must hold an int; a value None passes (the field's "as the machine allows"); a float
+        must be finite (NaN and infinities are refused even where a bound is ``inf``).
+      prefix: how the setting is typed on the command line before its name ("agent.").
+
+    Raises:
+      hvrep.errors.ConfigError: one line naming the setting, the value, the interval and the default as a fix.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name, text in ranges.items():
+        value, default = getattr(config, name), defaults[name]
+        if value is None:
+            continue
+        low, high, low_closed, high_closed = _interval(text)
+        # A None default (threads, actors_per_rank) stands for an int the machine picks.
+        whole = (isinstance(default, int) and not isinstance(default, bool)) or default is None
+        number = isinstance(value, int | float) and not isinstance(value, bool) and (
+            isinstance(value, int) if whole else math.isfinite(value))
+        inside = number and (low < value or (low_closed and value == low)) and (
+            value < high or (high_closed and value == high))
+        if not inside:
+            kind = "an integer" if whole else "a finite number"
+            fix = f" Fix: e.g. {prefix}{name}={default} (the default)." if default is not dataclasses.MISSING else ""
+            raise ConfigError(f"{prefix}{name} must be {kind} in {text}, got {value!r}.{fix}")
 
 
 def apply_settings(base: T, overrides: Sequence[str], section: str) -> T:

@@ -64,3 +64,26 @@ def test_preemptible_counts_the_runs_before_srun_and_asks_about_its_own():
     count, srun = script.index('runs_before=$(hvrep_runs "$out/metrics.jsonl")'), script.index("\nsrun ")
     assert count < srun
     assert 'stopped=$(hvrep_run_stopped "$out/metrics.jsonl" "$runs_before")' in script[srun:]
+
+
+def test_the_step_a_start_got_to_is_its_last_recorded_one(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    _write(metrics, [{"event": "train", "step": 3}, {"event": "final", "step": 5, "stopped": "timeout"}],
+           [{"event": "train", "step": 4}, {"event": "epoch"}])  # the second crashed after step 4
+    assert _bash('hvrep_run_step "$M" 0; hvrep_run_step "$M" 1; hvrep_run_step "$M" 2', metrics).split() == ["5", "4"]
+
+
+def test_the_same_failure_twice_in_a_row_is_repeated_and_a_clean_stop_forgets_it(tmp_path):
+    out = tmp_path / "run"
+    script = ('r1=$(hvrep_repeated_failure "$O" "exit 75 at step 5"); r2=$(hvrep_repeated_failure "$O" "exit 75 at '
+              'step 6"); r3=$(hvrep_repeated_failure "$O" "exit 75 at step 6"); hvrep_forget_failure "$O"; '
+              'r4=$(hvrep_repeated_failure "$O" "exit 75 at step 6"); echo "[$r1][$r2][$r3][$r4]"')
+    assert _bash(f'O="{out}"; {script}', tmp_path / "none.jsonl") == "[][][repeated][]"
+
+
+def test_preemptible_stops_requeuing_a_repeated_failure_before_it_requeues():
+    script = (REPO / "slurm" / "preemptible.sbatch").read_text()
+    decide = script.index('if [[ -n $(hvrep_repeated_failure "$out" "$failure") ]]; then')
+    assert 'failure="exit ${status} at step $(hvrep_run_step "$out/metrics.jsonl" "$runs_before")"' in script
+    assert decide < script.index('scontrol requeue "$SLURM_JOB_ID"')
+    assert 'exit "$status"' in script[decide:decide + 400]

@@ -218,8 +218,30 @@ def test_restore_without_leaves_state_the_checkpoint_lacks_alone(tmp_path):
 def test_a_truncated_data_file_is_a_checkpoint_error_naming_the_folder(tmp_path):
     folder = State(seed=1).manager(tmp_path).save(1)
     (folder / "ckpt.data-00000-of-00001").write_bytes(b"\0" * 3)
-    with pytest.raises(CheckpointError, match="ckpt-00000001"):
+    with pytest.warns(UserWarning, match="no older one is intact"), \
+            pytest.raises(CheckpointError, match=r"every checkpoint .* is damaged .*ckpt-00000001"):
         State(seed=2).manager(tmp_path).restore()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit flipped"])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, damage):
+    state = State(seed=1)
+    manager = state.manager(tmp_path)
+    manager.save(1)
+    saved = state.values()
+    state.train()
+    newest = manager.save(2)
+    data = newest / "ckpt.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    if damage == "truncated":
+        del raw[len(raw) // 2:]
+    else:
+        raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    fresh = State(seed=2)
+    with pytest.warns(UserWarning, match=r"skipped checkpoint .*ckpt-00000002 .*resuming from ckpt-00000001"):
+        assert fresh.manager(tmp_path).restore().name == "ckpt-00000001"
+    _assert_equal(fresh.values(), saved)
 
 
 def test_bad_arguments_are_named(tmp_path):

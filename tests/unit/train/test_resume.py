@@ -39,6 +39,27 @@ def test_restores_the_newest_or_starts_fresh(repl, tmp_path):
     assert point.segments(2, 64) == [Segment(2, 64, 2)]
 
 
+def test_a_truncated_newest_checkpoint_is_skipped_and_named(repl, tmp_path, caplog):
+    value = tf.Variable(0.0)
+    manager = CheckpointManager(tmp_path, is_chief=True, value=value)
+    for step in (4, 6):
+        value.assign(float(step))
+        manager.save(step)
+    data = tmp_path / "ckpt-00000006" / "ckpt.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:3])
+    value.assign(0.0)
+    with caplog.at_level("WARNING"):
+        point = resume.restore(repl, manager)
+    assert point is not None and point.step == 4 and float(value.numpy()) == 4.0
+    assert "ckpt-00000006" in caplog.text and "Read less bytes" in caplog.text
+    # Nothing intact: every rank refuses, naming each checkpoint and why.
+    data = tmp_path / "ckpt-00000004" / "ckpt.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:3])
+    with pytest.raises(CheckpointError, match=r"every checkpoint .* damaged \(ckpt-00000006: .*; ckpt-00000004: .*"
+                                              r"Fix: put back"):
+        resume.restore(repl, manager)
+
+
 @pytest.mark.parametrize(("saved", "now", "without"), [
     ({"steps": 2, "micro_step": 4}, 1, ()),  # at an update boundary k may change
     ({"steps": 2, "micro_step": 4}, 4, ("accumulation",)),
