@@ -9,7 +9,8 @@ therefore:
   signal's name and every thread's Python stack (the compiled step among them);
 * notes, before each training step, what it is about to run (``train step 12: x float32[31, 32, 32, 3],
   y int32[31]``) in ``rank<R>.step``: one ``os.pwrite`` of a fixed-size record into a file opened once,
-  so a crash in the step finds it on disk; no allocation or lock in the crashing process is needed;
+  so a crash in the step finds it on disk; no allocation or lock in the crashing process is needed (40-60 us
+  a step with the shapes formatted, timed on the shared 2-core machine under load: under 0.1% of a demo step);
 * starts a small watcher process (``_crash_watch.py``, no TensorFlow) that waits for the rank to end (a pipe
   only the rank holds). If the faulthandler file then names a fatal signal, the watcher prints one report on
   the rank's stderr: the rank, the signal, the step and shapes, where the stacks are, and what to try. A rank
