@@ -28,7 +28,7 @@ def _stem(batches, image=64):
 
 # (threads, in-graph replicas) -> shapes. Batches are global; on 2 replicas 63 is 32 + 31, 65 is 33 + 32.
 GROUPS = {
-    (2, 1): _demo((4, 8, 12, 16), (1, 62, 63, 65)) + _stem((31, 32)) + _stem((7,), image=224),
+    (2, 1): _demo((4, 8, 16), (1, 63, 64)) + _demo((12,), (65,)) + _stem((31, 32)) + _stem((7,), image=224),
     (2, 2): _demo((8, 16), (3, 62, 63, 65)) + _stem((31, 62)),
     (4, 1): _demo((8, 12), (31, 63)) + _stem((63,)),
     (1, 2): _demo((8,), (63,)) + _stem((63,)),
