@@ -1,4 +1,5 @@
-"""Batch-norm layers: one whose statistics span all replicas, one that uses TensorFlow's fused kernel."""
+"""Batch-norm layers (one whose statistics span all replicas, one that uses TensorFlow's fused kernel) and a
+convolution that keeps clear of a oneDNN crash."""
 
 from __future__ import annotations
 
@@ -65,3 +66,39 @@ class CrossReplicaBatchNorm(keras.layers.BatchNormalization):
         mean = total / n
         variance = tf.maximum(total_sq / n - tf.square(mean), 0.0)
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+
+# oneDNN's AVX-512 1x1 backward-weights kernel (jit_1x1, TF 2.21 / oneDNN 3.7.3) corrupts the heap when it
+# compacts a strided input of fewer than this many channels at an odd batch, with more than one thread:
+# docs/troubleshooting.md, "Known issues"; tests/unit/known_issues/onednn_strided_1x1.py reproduces it.
+_ONEDNN_BLOCK = 16
+
+
+@keras.saving.register_keras_serializable(package="hvrep")
+class SubsamplingConv2D(keras.layers.Conv2D):
+    """``keras.layers.Conv2D`` that takes a strided 1×1 convolution of a narrow input as subsample, then convolve.
+
+    Same arguments, variables and outputs as ``keras.layers.Conv2D``. A 1×1
+    kernel with strides (sh, sw) > 1 on a channels_last input of fewer than
+    16 channels is computed as ``inputs[:, ::sh, ::sw, :]`` convolved with
+    stride 1: the same function (a 1×1 window never pads), but TensorFlow's
+    oneDNN backward-filter kernel for the strided case crashes the process
+    (``free(): invalid size`` or SIGSEGV) at odd batch sizes on more than one
+    thread. Every other convolution is Keras' own. hvrep's ResNets use it for
+    their projection shortcuts (``res{stage}a_branch1``).
+    """
+
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
+        if not _subsample_first(self, inputs):
+            return super().convolution_op(inputs, kernel)
+        sh, sw = self.strides
+        return keras.ops.conv(inputs[:, ::sh, ::sw, :], kernel, strides=1, padding=self.padding,
+                              dilation_rate=self.dilation_rate, data_format=self.data_format)
+
+
+def _subsample_first(layer: keras.layers.Conv2D, inputs: Any) -> bool:
+    """Whether ``layer`` would run oneDNN's crashing kernel on ``inputs`` (the shapes, not the device: on a GPU
+    the subsample is one small copy)."""
+    channels = inputs.shape[-1]
+    return (tuple(layer.kernel_size) == (1, 1) and tuple(layer.strides) != (1, 1) and layer.data_format ==
+            "channels_last" and channels is not None and channels < _ONEDNN_BLOCK)

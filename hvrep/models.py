@@ -249,7 +249,7 @@ def _build(
 ) -> keras.Model:
     import keras
 
-    from hvrep.layers import FusedBatchNormalization
+    from hvrep.layers import FusedBatchNormalization, SubsamplingConv2D
 
     bn_axis = -1 if data_format == "channels_last" else 1
     layers = keras.layers
@@ -263,7 +263,10 @@ def _build(
         if strides > 1 and kernel > 1:
             x = layers.ZeroPadding2D((kernel - 1) // 2, data_format=data_format, name=f"{layer_name}_pad")(x)
             padding = "valid"
-        return layers.Conv2D(
+        # A strided 1x1 convolution (a projection shortcut) of a narrow input crashes TensorFlow's oneDNN
+        # backward kernel at odd batch sizes: SubsamplingConv2D computes it another way (see its docstring).
+        kind = SubsamplingConv2D if kernel == 1 and strides > 1 else layers.Conv2D
+        return kind(
             filters,
             kernel,
             strides=strides,

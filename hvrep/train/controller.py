@@ -40,6 +40,7 @@ import tensorflow as tf
 from hvrep.data import EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
 from hvrep.errors import DataError
 from hvrep.replica import watchdog
+from hvrep.train import crash
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
 from hvrep.train.metrics import MetricsWriter
@@ -275,6 +276,7 @@ class Controller:
                     for x, y in self._chained(started):
                         # The outputs are not read here: the next step is dispatched without waiting on the host.
                         watchdog.note_step(f"train step {lp.step + 1}")  # what a timeout report names
+                        crash.note_step(lp.step + 1, x, y)  # what a native crash's report names
                         self.runner.train(x, y)
                         lp.advance()
                         if self.elastic is not None:

@@ -42,8 +42,8 @@ import hvrep
 import hvrep.keras
 from hvrep.data import EpochPosition, data_errors, epoch_plan, make_dataset
 from hvrep.replica.context import InputContext
+from hvrep.train import crash, position
 from hvrep.train import optim as optimizers
-from hvrep.train import position
 from hvrep.train import resume as resuming
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
@@ -228,6 +228,8 @@ def run_fit(cfg: RunConfig, repl: hvrep.Replicator, make_model: Callable[[], Any
             recorder.steps, recorder.limit = 0, steps
             step_log.first_step, step_log.epoch = done, epoch
             if steps > 0:
+                # Keras' compiled loop runs the steps: a native crash's report names the fit call.
+                crash.note(f"model.fit after step {done}, epoch {epoch + 1}: per-replica batch {gb // n}")
                 with data_errors(epoch_cfg, "train"):
                     model.fit(_train_dataset(repl, epoch_cfg, gb, cfg.model.num_classes, at, cfg.train.threads, steps),
                               initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=steps, shuffle=False,

@@ -88,6 +88,7 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     from hvrep import kernels, schedules
     from hvrep.data import num_examples, write_demo
     from hvrep.replica import watchdog
+    from hvrep.train import crash
     from hvrep.train import optim as optimizers
     from hvrep.train import resume as resuming
     from hvrep.train.checkpoint import CheckpointManager
@@ -130,6 +131,8 @@ def run(cfg: configs.RunConfig, resume: bool = False, overwrite: bool = False) -
     gb = cfg.train.global_batch
     if gb % n:
         raise HvrepError(f"train.global_batch={gb} must divide by the {n} replicas. Fix: use {max(1, gb // n) * n}.")
+    # A rank killed by a signal (a native crash) is reported with the step and shapes it was running.
+    crash.start(out, repl.rank)
     train_images = num_examples(cfg.data, "train")
     val_images = num_examples(cfg.data, "val")
     steps_per_epoch = schedules.steps_per_epoch(train_images, gb)

@@ -1,0 +1,40 @@
+"""``hvrep train`` whose training step kills its own process with SIGSEGV (a stand-in for a native crash).
+
+Usage: python segv_in_step.py RANK STEP hvrep-train-args...: the rank RANK (of mpirun or horovodrun; 0 alone)
+sends itself SIGSEGV while it executes its STEP-th training step (counted from 1), from inside the compiled
+step (a ``tf.py_function`` the step runs before its forward pass).
+"""
+
+import os
+import signal
+import sys
+
+import tensorflow as tf
+
+from hvrep.train import steps
+from hvrep.train.main import main
+
+die_rank, die_step = int(sys.argv[1]), int(sys.argv[2])
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("HOROVOD_RANK") or 0)
+executed = 0
+
+
+def _tick() -> int:
+    global executed
+    executed += 1
+    if rank == die_rank and executed == die_step:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return executed
+
+
+_train_step = steps.Runner._train_step
+
+
+def _dying_train_step(self, x, y):
+    with tf.control_dependencies([tf.py_function(_tick, [], tf.int64)]):
+        x = tf.identity(x)
+    return _train_step(self, x, y)
+
+
+steps.Runner._train_step = _dying_train_step
+sys.exit(main(sys.argv[3:]))
