@@ -33,6 +33,8 @@ LONGEST_FIRST = (
     "tests/multirank/test_multirank_apps.py",
     "tests/multirank/test_combinations.py",  # issue 46's covering array: one launch per launcher (new, not timed)
     "tests/unit/replica/test_combinations.py",
+    "tests/multirank/test_bench_node.py",  # issue 51: one quick bench-node launch per launcher, side by side
+    "tests/unit/train/test_odd_batch_train.py",  # issue 48: 8 hvrep train processes, ~2 min
     "tests/slurm/test_slurm_multinode.py",
     "tests/multirank/test_dead_and_stopped_ranks.py",
     "tests/unit/train/test_train_stop.py",
@@ -45,6 +47,10 @@ LONGEST_FIRST = (
     "tests/unit/cluster/test_doctor.py",
     "tests/multihost/test_netbed.py",
     "tests/unit/perf/test_bench.py",
+    "tests/unit/known_issues/test_shape_sweep.py",  # issue 48: 30 shapes in 4 children, ~1 min
+    "tests/unit/train/test_crash_report.py",
+    "tests/unit/replica/test_powersgd_loss_scale.py",
+    "tests/multirank/test_gloo_sockets_reset.py",
     "tests/unit/docs/test_examples.py",
     "tests/unit/perf/test_benchmark_optimizer_apply.py",
     "tests/multirank/test_model_parallel.py",
