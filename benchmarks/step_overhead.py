@@ -1,6 +1,6 @@
 """The cost of one collective in a small step: the step with the all-reduce minus the same step without it.
 
-    python benchmarks/step_overhead.py --out results/step_overhead.jsonl          # both launchers, ~5 min
+    python benchmarks/step_overhead.py --rounds 7 --inner 10 --out results/step_overhead.jsonl   # ~6 min
     python benchmarks/step_overhead.py --quick --out /tmp/so.jsonl                 # smoke test, 2 launches
     hvrep report results/step_overhead.jsonl                                       # step-overhead.md
 
