@@ -3,6 +3,7 @@ with the same total actors; learner steps/s scaling; and ``--stall``: one rank's
 
     python benchmarks/d4pg.py --ranks 1 2 --actors 2 --steps 6000 --out results/d4pg.jsonl --plot docs/img/d4pg.png
     python benchmarks/d4pg.py --stall --out results/d4pg.jsonl          # 2 ranks; SIGSTOP rank 0's actors 10 s
+    python benchmarks/d4pg.py --learner-only --rounds 3 --out results/d4pg.jsonl   # learners alone, 1 vs 2 ranks
 
 Each run is ``examples.d4pg.train`` (1 rank: one process; 2: ``horovodrun --gloo``) in a fresh folder, one run at a
 time. JSON lines: ``curve`` (one per evaluation: ranks, learner step, seconds since the run's start, the mean
@@ -11,6 +12,13 @@ first; actor environment steps/s; the first evaluation >= -200 and when), ``scal
 transitions/s over 1 rank's), ``stall`` (rank 0's learner steps/s and sample age in the 10 s before and during the
 stop, their ratio). A shared machine's load moves every figure: the ``load`` field is the 1-minute load average
 at the start and end of each run.
+
+``--learner-only``: the learner alone, each rank on a core of its own (it pins itself to its local rank's core
+before TensorFlow starts): a replay filled once with random transitions of the environment's shape (the learner's
+cost does not depend on their values), no actors; ``--learner-steps`` timed steps after 20 untimed ones. Contenders,
+one launch each per round, in turn: 1 rank (one process), 2 ranks under ``mpirun``, 2 ranks under
+``horovodrun --gloo``. ``learner`` lines (steps/s and transitions/s of the slowest rank) and ``learner_scaling``
+lines (2 ranks' transitions/s over the same round's 1 rank).
 """
 
 from __future__ import annotations
@@ -171,6 +179,88 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+LEARNER_PREFIX = "D4PG_LEARNER "
+LEARNER_CONTENDERS = ("1 rank", "2 ranks mpirun", "2 ranks horovodrun")
+
+
+def _learner_worker(steps: int, settings: list[str]) -> int:
+    """One learner rank: a replay filled once, no actors; prints steps/s of ``steps`` learner steps (rank 0)."""
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[local % len(cores)]})
+    import numpy as np
+
+    import hvrep
+    from examples.d4pg.agent import D4PG
+    from examples.d4pg.replay import row_width
+    from examples.d4pg.train import config, env_spec
+
+    cfg = config(settings)
+    obs_dim, act_dim, low, high = env_spec(cfg.env)
+    repl = hvrep.Replicator("auto")
+    agent = D4PG(repl, cfg.agent, obs_dim, act_dim, low, high)
+    rng = np.random.default_rng(cfg.seed + 7919 * repl.rank)
+    rows = rng.standard_normal((cfg.min_replay * 10, row_width(obs_dim, act_dim) - 1)).astype(np.float32)
+    rows[:, obs_dim + act_dim + 1] = cfg.agent.gamma ** cfg.n_step  # the discount column
+    per_step = cfg.per_replica_batch * agent.local_replicas
+
+    def run(n: int, first: int) -> float:
+        repl.reduce(np.zeros(()), "sum")  # a barrier
+        t0 = time.perf_counter()
+        outs = [agent.train_step(rows[rng.integers(0, len(rows), per_step)], first + i) for i in range(n)]
+        repl.reduce(outs[-1], "mean")  # waits for the last step
+        return n / (time.perf_counter() - t0)
+
+    run(20, 1)
+    rate = run(steps, 21)
+    slowest = float(repl.reduce(np.asarray(-rate), "max")) * -1.0  # the slowest rank's steps/s
+    if repl.rank == 0:
+        print(LEARNER_PREFIX + json.dumps({"ranks": repl.num_processes, "backend": repl.backend,
+                                           "steps_per_sec": round(slowest, 2), "per_replica_batch":
+                                           cfg.per_replica_batch,
+                                           "transitions_per_sec": round(slowest * cfg.per_replica_batch
+                                                                        * repl.num_replicas, 1)}), flush=True)
+    repl.close()
+    return 0
+
+
+def _learner_command(contender: str, steps: int, settings: list[str]) -> list[str]:
+    me = [sys.executable, __file__, "--learner-worker", "--learner-steps", str(steps), *settings]
+    if contender == "1 rank":
+        return me
+    if contender == "2 ranks mpirun":
+        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+                "mpi_yield_when_idle", "1", me[0], "-m", "mpi4py", *me[1:]]
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *me]
+
+
+def learner_only(rounds: int, steps: int, settings: list[str], timeout: float) -> list[dict[str, Any]]:
+    """``rounds`` rounds of the three contenders in turn; a ``learner`` line per launch, ``learner_scaling``
+    per round and 2-rank launcher."""
+    env = {**_env(), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    records: list[dict[str, Any]] = []
+    for r in range(rounds):
+        got: dict[str, dict[str, Any]] = {}
+        for contender in LEARNER_CONTENDERS:
+            load0 = os.getloadavg()[0]
+            proc = subprocess.run(_learner_command(contender, steps, settings), cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+            found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for x in proc.stdout.splitlines()
+                     if LEARNER_PREFIX in x]
+            rec = {"kind": "learner", "round": r, "contender": contender, "rc": proc.returncode,
+                   "learner_steps": steps, "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                   **(found[0] if found else {"tail": (proc.stdout + proc.stderr)[-2000:]})}
+            records.append(rec)
+            got[contender] = rec
+        one = got["1 rank"].get("transitions_per_sec")
+        for contender in LEARNER_CONTENDERS[1:]:
+            two = got[contender].get("transitions_per_sec")
+            records.append({"kind": "learner_scaling", "round": r, "contender": contender,
+                            "transitions_per_sec_2_over_1": round(two / one, 3) if one and two else None})
+    return records
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="learner ranks, one run each")
@@ -182,10 +272,20 @@ def main() -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep each run's output folder under this one")
     p.add_argument("--out", type=Path, default=Path("results/d4pg.jsonl"))
     p.add_argument("--plot", type=Path, default=None, help="a PNG of return against wall time and learner steps")
+    p.add_argument("--learner-only", action="store_true",
+                   help="the learner alone (a replay filled once, no actors): 1 rank vs 2 ranks, both launchers")
+    p.add_argument("--rounds", type=int, default=3, help="with --learner-only: rounds of the contenders (default 3)")
+    p.add_argument("--learner-steps", type=int, default=300,
+                   help="with --learner-only: timed learner steps per launch (default 300)")
+    p.add_argument("--learner-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("settings", nargs="*", help="extra key=value settings for examples.d4pg.train")
     args = p.parse_args()
+    if args.learner_worker:
+        return _learner_worker(args.learner_steps, args.settings)
     records: list[dict[str, Any]] = []
-    if args.stall:
+    if args.learner_only:
+        records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout)
+    elif args.stall:
         # A replay of 4000 rows per rank (16 s of one actor's 250 steps/s): with its actors running, its samples'
         # age stays level, so the stall's rise shows (the default 200,000 rows grow older all run long).
         extra = ["steps_per_loop=25", "eval_every=0", "eval_episodes=1", "checkpoint_every=0", "replay_size=4000",

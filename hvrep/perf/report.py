@@ -38,6 +38,7 @@ Lines of ``benchmarks/multihost.py`` (``"benchmark": "multihost"``; its
 
 Lines of ``benchmarks/slow_links.py`` (``"benchmark": "slow_links"``: accuracy against wall time per scheme,
 link rate and seed) go to ``slow-links.md``, with one plot per link rate (``hvrep.perf.slowlinks``).
+Lines of ``benchmarks/step_overhead.py`` go to ``step-overhead.md`` (``hvrep.perf.stepoverhead``).
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ from typing import Any
 from hvrep.errors import ConfigError, DataError, HvrepError
 from hvrep.perf import costmodel
 from hvrep.perf.slowlinks import SLOW_LINKS, load_slow_links, render_slow_links
+from hvrep.perf.stepoverhead import STEP_OVERHEAD, load_step_overhead, render_step_overhead
 from hvrep.perf.summary import throughput
 from hvrep.train.metrics import read_json_lines
 
 _METRICS = "metrics.jsonl"
 _THROUGHPUT_PNG, _EFFICIENCY_PNG, _BREAKDOWN_PNG = "throughput.png", "efficiency.png", "breakdown.png"
 MULTIHOST = "multihost"  # benchmarks/multihost.py's lines
-_OWN_PAGES = (MULTIHOST, SLOW_LINKS)  # benchmarks whose lines get a page of their own, not the scaling table
+# Benchmarks whose lines get a page of their own, not the scaling table.
+_OWN_PAGES = (MULTIHOST, SLOW_LINKS, STEP_OVERHEAD)
 _MULTIHOST_MD, _MULTIHOST_PNG = "multihost.md", "multihost.png"
 _MIB = 1024 * 1024
 _NOT_RECORDED = "not recorded"
@@ -864,7 +867,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         multihost = load_multihost(args.results)
         slow = load_slow_links(args.results)
-        runs = load_results(args.results, allow_empty=bool(multihost or slow))
+        small = load_step_overhead(args.results)
+        runs = load_results(args.results, allow_empty=bool(multihost or slow or small))
+        if small:
+            print(f"hvrep report: {len(small)} step-overhead line(s). Wrote {render_step_overhead(small, args.out)}")
         if multihost:
             page = render_multihost(multihost, args.out)
             print(f"hvrep report: {len(multihost)} namespace-host line(s). Wrote {page} and {_MULTIHOST_PNG}")

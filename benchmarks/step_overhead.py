@@ -1,0 +1,390 @@
+"""The cost of one collective in a small step: the step with the all-reduce minus the same step without it.
+
+    python benchmarks/step_overhead.py --rounds 7 --inner 10 --out results/step_overhead.jsonl   # ~6 min
+    python benchmarks/step_overhead.py --quick --out /tmp/so.jsonl                 # smoke test, 2 launches
+    hvrep report results/step_overhead.jsonl                                       # step-overhead.md
+
+On 2 ranks of this machine, one core each (every rank pins itself to the core of its local rank before
+TensorFlow starts, under both launchers alike), under ``mpirun`` and ``horovodrun --gloo``. For each payload G
+(16 KB, 256 KB, 4 MB, 32 MB of fp32), as one tensor and as 50 tensors of the same total, two entry points:
+
+* ``all_reduce``: ``Replicator.run`` of a step whose only work is ``hvrep.all_reduce(xs, "mean")``, against
+  the same step returning ``tf.identity`` of each tensor.
+* ``wrap_optimizer``: ``apply_gradients`` of SGD (learning rate 0) wrapped by ``repl.wrap_optimizer``, against
+  the same apply by an unwrapped SGD, both in ``Replicator.run``.
+
+Floors, on the same ranks and cores, in the same rounds: ``mpi4py`` ``Allreduce`` of the same bytes (under
+``mpirun``; MPI started by mpi4py in the same process); under ``horovodrun --gloo``, ``torch.distributed``'s Gloo
+backend (``all_reduce`` of one tensor of G bytes) in a child process of each rank, pinned to the rank's core, from
+the CPU PyTorch wheel in the venv ``--torch-python`` names (Horovod's sdist is not kept after hvrep builds it, so
+Gloo's own benchmark was not at hand; a floor that cannot run is a ``floor`` line with ``measured: false`` and why).
+
+Every contender runs round-robin: one sample of each per round, a sample being ``--inner`` back-to-back calls
+after a barrier, divided by ``--inner``; a round's sample is the slowest rank's. The cost of an entry point in a
+round is its with-sample minus its without-sample of that round; the lines hold every round's samples, so the
+cost can be recomputed. ``--breakdown`` (default on; off with ``--quick``) adds the 16 KB, 1-tensor
+``all_reduce`` case re-run under variants (``HOROVOD_CYCLE_TIME=0.1``, ``HVREP_HOROVOD_IDLE_WAIT_MS=0``, and
+``HOROVOD_TIMELINE``, whose activities are summed per step): ``kind: "breakdown"`` lines.
+
+JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
+without_us, cost_us, cost_median_us, cost_p10_us, cost_p90_us), ``floor`` (launcher, floor, bytes, us,
+median_us, or measured false and why), ``timeline`` (activity -> median µs per step), ``run`` (load average,
+the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))  # `python benchmarks/step_overhead.py` from anywhere: hvrep and benchmarks._common
+
+BENCHMARK = "step_overhead"
+PREFIX = "STEP_OVERHEAD "
+SIZES = (16 << 10, 256 << 10, 4 << 20, 32 << 20)
+QUICK_SIZES = (16 << 10, 256 << 10)
+TENSORS = (1, 50)
+ENTRIES = ("all_reduce", "wrap_optimizer")
+LAUNCHERS = ("mpirun", "horovodrun")
+# The variants of the breakdown: the extra environment of each launch of the 16 KB case.
+VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"}}
+TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
+
+
+def _pin_to_local_core() -> int:
+    """Pins this process to one core: its local rank's among those it may use. Returns the core."""
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+# --------------------------------------------------------------------------- the ranks
+
+
+class _GlooFloor:
+    """torch.distributed's Gloo all-reduce in a child process on this rank's core, driven over a pipe."""
+
+    def __init__(self, python: Path, store: str, rank: int) -> None:
+        self.proc = subprocess.Popen([str(python), __file__, "--torch-child", store, str(rank)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self._ask("hello")
+
+    def _ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the torch Gloo child exited (code {self.proc.poll()})")
+        return answer.strip()
+
+    def sample(self, nbytes: int, inner: int) -> float:
+        return float(self._ask(f"{nbytes} {inner}"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self._ask("quit")
+            self.proc.wait(timeout=30)
+
+
+def _torch_child(store: str, rank: int) -> int:
+    """The Gloo floor's child: answers "BYTES INNER" with µs per all_reduce of BYTES, after a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    buffers: dict[int, Any] = {}
+    for line in sys.stdin:
+        words = line.split()
+        if words == ["quit"]:
+            print("bye", flush=True)
+            break
+        if words == ["hello"]:
+            print("ok", flush=True)
+            continue
+        nbytes, inner = int(words[0]), int(words[1])
+        x = buffers.setdefault(nbytes, torch.ones(nbytes // 4, dtype=torch.float32))
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            dist.all_reduce(x)
+        print((time.perf_counter() - t0) / inner * 1e6, flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def _apply_step(opt: Any, variables: list, scope: str) -> Any:
+    """A step applying its gradients to ``variables`` with ``opt`` (a closure: tf.function would trace default
+    arguments as inputs)."""
+    import tensorflow as tf
+
+    def apply(grads: list) -> Any:
+        with tf.name_scope(scope):
+            opt.apply_gradients(zip(grads, variables, strict=True))
+        return tf.constant(0.0)
+
+    return apply
+
+
+def _worker(args: argparse.Namespace) -> int:
+    core = _pin_to_local_core()
+    import _common
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import hvrep
+
+    repl = hvrep.Replicator("horovod")
+    rank, size = repl.rank, repl.num_replicas
+    mpi = None
+    if args.launcher == "mpirun":
+        from mpi4py import MPI
+
+        mpi = MPI
+    gloo = None
+    floor_error = None
+    if args.launcher == "horovodrun":
+        if not Path(args.torch_python).exists():
+            floor_error = (f"{args.torch_python} does not exist: make it with `python3.11 -m venv "
+                           f"{Path(args.torch_python).parents[1]} && {args.torch_python} -m pip install torch==2.13.0`")
+        else:
+            try:
+                gloo = _GlooFloor(Path(args.torch_python), args.store, rank)
+            except Exception as e:  # recorded in the floor line; the rest still runs
+                floor_error = f"{type(e).__name__}: {e}"
+
+    def barrier() -> None:
+        repl.reduce(np.zeros((), np.float32), "sum")
+
+    contenders: dict[tuple, Any] = {}  # (entry, G, n, "with"|"without") or ("floor", G) -> a call
+    for nbytes in args.sizes:
+        for n in TENSORS:
+            if args.variant != "default" and (nbytes, n) != (16 << 10, 1):
+                continue
+            each = [nbytes // 4 // n + (1 if i < (nbytes // 4) % n else 0) for i in range(n)]
+            xs = [tf.constant(np.full(k, 1.0 + rank, np.float32)) for k in each]
+            scope = f"so_{nbytes}_{n}"
+
+            def with_ar(v: list, scope: str = scope) -> list:
+                with tf.name_scope(scope):
+                    return hvrep.all_reduce([tf.identity(x) for x in v], "mean")
+
+            def without_ar(v: list, scope: str = scope) -> list:
+                with tf.name_scope(scope):
+                    return [tf.identity(x) for x in v]
+
+            contenders[("all_reduce", nbytes, n, "with")] = lambda f=with_ar, v=xs: repl.run(f, args=(v,))
+            contenders[("all_reduce", nbytes, n, "without")] = lambda f=without_ar, v=xs: repl.run(f, args=(v,))
+            if args.variant == "default":
+                with repl.scope():
+                    variables = [keras.Variable(np.zeros(k, np.float32)) for k in each]
+                    plain = keras.optimizers.SGD(learning_rate=0.0)
+                    wrapped = repl.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
+                for opt, which in ((wrapped, "with"), (plain, "without")):
+                    apply = _apply_step(opt, variables, f"{scope}_{which}")
+                    contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
+        if args.variant == "default" and (mpi is not None or gloo is not None):
+            if mpi is not None:
+                send = np.full(nbytes // 4, 1.0 + rank, np.float32)
+                recv = np.empty_like(send)
+                contenders[("floor", nbytes)] = lambda s=send, r=recv: mpi.COMM_WORLD.Allreduce(s, r, op=mpi.SUM)
+            else:
+                contenders[("floor", nbytes)] = nbytes
+
+    def sample(key: tuple) -> float:
+        call = contenders[key]
+        barrier()
+        if isinstance(call, int):  # the Gloo floor times itself in its child, after a barrier of its own
+            return gloo.sample(call, args.inner)
+        t0 = time.perf_counter()
+        for _ in range(args.inner):
+            out = call()
+        tf.nest.flatten(out)[0].numpy() if out is not None else None
+        return (time.perf_counter() - t0) / args.inner * 1e6
+
+    keys = list(contenders)
+    for key in keys:  # warm-up: traces, negotiates, fills Horovod's response cache
+        for _ in range(args.warmup):
+            sample(key)
+    mine = np.zeros((args.rounds, len(keys)), np.float64)
+    for r in range(args.rounds):
+        order = keys[r % len(keys):] + keys[:r % len(keys)]  # rotate, so no contender always follows another
+        for key in order:
+            mine[r, keys.index(key)] = sample(key)
+    slowest = repl.reduce(mine, "max")  # a round's sample is the slowest rank's
+    if gloo is not None:
+        gloo.close()
+    if rank != 0:
+        return 0
+    base = {"benchmark": BENCHMARK, "run_id": args.run_id, "launcher": args.launcher, "ranks": size,
+            "cores": "one each", "core": core, "inner": args.inner, "rounds": args.rounds, "variant": args.variant}
+    records = []
+    col = {key: [round(float(v), 2) for v in slowest[:, i]] for i, key in enumerate(keys)}
+    for key in keys:
+        if key[0] == "floor":
+            us = col[key]
+            records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
+                            "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
+                            "median_us": round(float(np.median(us)), 2)})
+        elif key[3] == "with":
+            w, wo = col[key], col[(*key[:3], "without")]
+            cost = [round(a - b, 2) for a, b in zip(w, wo, strict=True)]
+            records.append({**base, "kind": "cost", "entry": key[0], "bytes": key[1], "tensors": key[2],
+                            "with_us": w, "without_us": wo, "cost_us": cost,
+                            "cost_median_us": round(float(np.median(cost)), 2),
+                            "cost_p10_us": round(float(np.percentile(cost, 10)), 2),
+                            "cost_p90_us": round(float(np.percentile(cost, 90)), 2)})
+    if args.variant == "default" and floor_error is not None:
+        records += [{**base, "kind": "floor", "bytes": g, "measured": False, "floor": "torch_gloo_allreduce",
+                     "why": floor_error} for g in args.sizes]
+    if args.variant == "default":
+        records.append({**base, "kind": "environment", **{k: v for k, v in _common.environment().items()
+                                                          if k != "doctor"}})
+    for rec in records:
+        print(PREFIX + json.dumps(rec), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def _launch_command(launcher: str, worker_args: list[str]) -> list[str]:
+    me = [sys.executable, __file__, "--worker", "--launcher", launcher, *worker_args]
+    if launcher == "mpirun":
+        # No binding by Open MPI: each rank pins itself (as under horovodrun), so both launchers place alike.
+        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+                "mpi_yield_when_idle", "1", me[0], "-m", "mpi4py", *me[1:]]
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *me]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
+    return env
+
+
+def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argparse.Namespace,
+                run_id: str) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
+        worker = ["--variant", variant, "--run-id", run_id, "--rounds", str(args.rounds), "--inner", str(args.inner),
+                  "--warmup", str(args.warmup), "--store", f"{tmp}/torch-store",
+                  "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes)]
+        proc = subprocess.run(_launch_command(launcher, worker), env=_env(extra), cwd=ROOT, capture_output=True,
+                              text=True, timeout=args.timeout)
+        records = [json.loads(line.split(PREFIX, 1)[1]) for line in proc.stdout.splitlines() if PREFIX in line]
+        if proc.returncode != 0 or not records:
+            raise RuntimeError(f"{launcher} {variant}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}")
+        timeline = Path(extra.get("HOROVOD_TIMELINE", ""))
+        if extra.get("HOROVOD_TIMELINE") and timeline.exists():
+            records.append({"benchmark": BENCHMARK, "run_id": run_id, "launcher": launcher, "variant": variant,
+                            "kind": "timeline", "bytes": 16 << 10, "tensors": 1,
+                            "activities_us": timeline_activities(timeline)})
+    return records
+
+
+def timeline_activities(path: Path) -> dict[str, float]:
+    """Median µs per occurrence of each activity in a Horovod timeline (Chrome trace, B/E pairs per tensor).
+
+    Horovod writes the file as a JSON array it never closes; a cut-off last event is dropped.
+    """
+    import numpy as np
+
+    text = path.read_text().strip().rstrip(",")
+    try:
+        events = json.loads(text if text.endswith("]") else text + "]")
+    except json.JSONDecodeError:
+        events = json.loads(text[:text.rfind("}") + 1].rstrip().rstrip(",") + "]")
+    open_: dict[tuple, list[tuple[str, float]]] = {}
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "B":
+            open_.setdefault((e.get("pid"), e.get("tid")), []).append((e.get("name", "?"), float(e["ts"])))
+        elif e.get("ph") == "E":
+            stack = open_.get((e.get("pid"), e.get("tid")))
+            if stack:
+                name, ts = stack.pop()
+                spans.setdefault(name, []).append(float(e["ts"]) - ts)
+        elif e.get("ph") == "X":
+            spans.setdefault(e.get("name", "?"), []).append(float(e.get("dur", 0.0)))
+    return {name: round(float(np.median(d)), 1) for name, d in sorted(spans.items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS))
+    p.add_argument("--sizes", nargs="+", type=int, default=None, help="payloads in bytes (default 16K 256K 4M 32M)")
+    p.add_argument("--rounds", type=int, default=15, help="rounds, one sample of every contender each (default 15)")
+    p.add_argument("--inner", type=int, default=20, help="back-to-back calls per sample (default 20)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed samples of each contender first (default 2)")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=None,
+                   help="add the 16 KB variants and the timeline (default: on, off with --quick)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 16 KB and 256 KB, 3 rounds of 3 calls")
+    p.add_argument("--out", type=Path, default=Path("results/step_overhead.jsonl"))
+    p.add_argument("--timeout", type=float, default=900, help="seconds per launch (default 900)")
+    p.add_argument("--torch-python", type=Path, default=TORCH_PYTHON,
+                   help=f"the interpreter of a venv with CPU PyTorch, for the Gloo floor (default {TORCH_PYTHON})")
+    # The ranks' side (set by the driver).
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--launcher", choices=LAUNCHERS, help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="default", help=argparse.SUPPRESS)
+    p.add_argument("--run-id", default="", help=argparse.SUPPRESS)
+    p.add_argument("--store", default="", help=argparse.SUPPRESS)
+    p.add_argument("--torch-child", nargs=2, metavar=("STORE", "RANK"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.torch_child:
+        return _torch_child(args.torch_child[0], int(args.torch_child[1]))
+    if args.quick:
+        args.rounds, args.inner, args.warmup = 3, 3, 1
+        args.sizes = args.sizes or list(QUICK_SIZES)
+    args.sizes = args.sizes or list(SIZES)
+    if args.worker:
+        return _worker(args)
+    breakdown = (not args.quick) if args.breakdown is None else args.breakdown
+    import _common
+
+    run_id = _common.run_id()
+    load = [round(os.getloadavg()[0], 2)]
+    records: list[dict[str, Any]] = []
+    for launcher in args.launchers:
+        records += _one_launch(launcher, "default", {}, args, run_id)
+        if breakdown:
+            with tempfile.TemporaryDirectory(prefix="step-overhead-tl-") as tmp:
+                variants = {**VARIANTS, "timeline": {"HOROVOD_TIMELINE": f"{tmp}/timeline.json"}}
+                for name, extra in variants.items():
+                    records += _one_launch(launcher, name, extra, args, run_id)
+    load.append(round(os.getloadavg()[0], 2))
+    records.append({"benchmark": BENCHMARK, "run_id": run_id, "kind": "run", "load_1min": load,
+                    "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+                    "command": " ".join(["python", "benchmarks/step_overhead.py", *(argv or sys.argv[1:])])})
+    _common.append_jsonl(args.out, records)
+    for rec in records:
+        if rec["kind"] == "cost":
+            print(f"{rec['launcher']:10s} {rec['variant']:15s} {rec['entry']:14s} {rec['bytes']:>9d} B "
+                  f"x{rec['tensors']:<2d} cost {rec['cost_median_us']:9.1f} us "
+                  f"[{rec['cost_p10_us']:.0f}-{rec['cost_p90_us']:.0f}]")
+        elif rec["kind"] == "floor":
+            print(f"{rec['launcher']:10s} floor {rec['floor']:20s} {rec['bytes']:>9d} B "
+                  + (f"{rec['median_us']:9.1f} us" if rec["measured"] else f"not measured: {rec['why']}"))
+        elif rec["kind"] == "timeline":
+            print(f"{rec['launcher']:10s} timeline {rec['activities_us']}")
+    print(f"wrote {len(records)} line(s) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

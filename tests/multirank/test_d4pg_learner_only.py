@@ -1,0 +1,36 @@
+"""benchmarks/d4pg.py --learner-only: one round of its three contenders (1 rank, 2 ranks under mpirun, 2 under
+horovodrun --gloo), each learning from a replay filled once with no actors; the lines' schema and the ratio
+computed from the same round's launches. No timing bounds: the figures are docs/performance.md's."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.multirank import harness
+
+pytestmark = [pytest.mark.multirank]
+
+
+def test_learner_only_round(tmp_path):
+    out = tmp_path / "d4pg.jsonl"
+    cmd = [sys.executable, str(harness.ROOT / "benchmarks" / "d4pg.py"), "--learner-only", "--rounds", "1",
+           "--learner-steps", "5", "--out", str(out)]
+    rc = harness.run_logged(cmd, tmp_path / "log", timeout=420)
+    assert rc == 0, (tmp_path / "log").read_text()[-4000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    learners = {r["contender"]: r for r in lines if r["kind"] == "learner"}
+    assert sorted(learners) == ["1 rank", "2 ranks horovodrun", "2 ranks mpirun"]
+    for name, r in learners.items():
+        assert r["rc"] == 0, r
+        assert r["ranks"] == (1 if name == "1 rank" else 2)
+        assert r["backend"] == ("local" if name == "1 rank" else "horovod")
+        assert r["transitions_per_sec"] == pytest.approx(r["steps_per_sec"] * r["per_replica_batch"] * r["ranks"],
+                                                         rel=1e-3)
+    one = learners["1 rank"]["transitions_per_sec"]
+    for r in (r for r in lines if r["kind"] == "learner_scaling"):
+        two = learners[r["contender"]]["transitions_per_sec"]
+        assert r["transitions_per_sec_2_over_1"] == pytest.approx(two / one, abs=1e-3)
+    assert len([r for r in lines if r["kind"] == "learner_scaling"]) == 2

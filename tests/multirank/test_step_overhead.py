@@ -1,0 +1,75 @@
+"""benchmarks/step_overhead.py --quick under both launchers: one 2-rank launch each, its JSON lines' schema, and
+each cost computed as the step with the all-reduce minus the same step without it, round by round.
+
+No timing bounds: the machine is shared; the figures are docs/performance.md's, from a run on a quiet one.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from tests.multirank import harness
+
+SCRIPT = harness.ROOT / "benchmarks" / "step_overhead.py"
+G = 16 << 10
+ROUNDS = 3  # --quick's
+pytestmark = [pytest.mark.multirank]
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("step-overhead")
+
+    def one(launcher: str) -> dict:
+        out = tmp / f"{launcher}.jsonl"
+        cmd = [sys.executable, str(SCRIPT), "--quick", "--launchers", launcher, "--sizes", str(G), "--out", str(out)]
+        rc = harness.run_logged(cmd, tmp / f"{launcher}.log", timeout=300)
+        assert rc == 0, f"{launcher}: exit {rc}\n{(tmp / f'{launcher}.log').read_text()[-4000:]}"
+        return {"lines": [json.loads(x) for x in out.read_text().splitlines()]}
+
+    got = harness.side_by_side({launcher: (lambda launcher=launcher: one(launcher)) for launcher in harness.LAUNCHERS})
+    for launcher, result in got.items():
+        assert "error" not in result, f"{launcher}:\n{result['error']}"
+    return {launcher: result["lines"] for launcher, result in got.items()}
+
+
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_every_entry_and_tensor_count_has_a_cost_line(lines, launcher):
+    costs = [r for r in lines[launcher] if r["kind"] == "cost"]
+    assert sorted((r["entry"], r["tensors"]) for r in costs) == [
+        ("all_reduce", 1), ("all_reduce", 50), ("wrap_optimizer", 1), ("wrap_optimizer", 50)]
+    for r in costs:
+        assert (r["benchmark"], r["launcher"], r["ranks"], r["bytes"], r["variant"]) == (
+            "step_overhead", launcher, 2, G, "default")
+        assert len(r["with_us"]) == len(r["without_us"]) == len(r["cost_us"]) == ROUNDS
+
+
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_cost_is_with_minus_without_per_round(lines, launcher):
+    for r in (r for r in lines[launcher] if r["kind"] == "cost"):
+        for w, wo, c in zip(r["with_us"], r["without_us"], r["cost_us"], strict=True):
+            assert w > 0 and wo > 0
+            assert c == pytest.approx(w - wo, abs=0.02), r
+        assert r["cost_median_us"] == pytest.approx(statistics.median(r["cost_us"]), abs=0.02), r
+        assert r["cost_p10_us"] <= r["cost_median_us"] <= r["cost_p90_us"]
+
+
+def test_floors_are_named_per_launcher(lines):
+    mpi = [r for r in lines["mpirun"] if r["kind"] == "floor"]
+    assert [(r["floor"], r["bytes"], r["measured"]) for r in mpi] == [("mpi4py_allreduce", G, True)]
+    assert len(mpi[0]["us"]) == ROUNDS and all(x > 0 for x in mpi[0]["us"])
+    gloo = [r for r in lines["horovodrun"] if r["kind"] == "floor"]
+    assert [(r["floor"], r["bytes"]) for r in gloo] == [("torch_gloo_allreduce", G)]
+    # Measured where the CPU PyTorch venv exists (docs/performance.md says how to make it), else says why not.
+    assert (len(gloo[0]["us"]) == ROUNDS) if gloo[0]["measured"] else gloo[0]["why"]
+
+
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_run_line_records_load_and_command(lines, launcher):
+    run = [r for r in lines[launcher] if r["kind"] == "run"]
+    assert len(run) == 1 and len(run[0]["load_1min"]) == 2 and "--quick" in run[0]["command"]
+    assert len({r["run_id"] for r in lines[launcher]}) == 1
