@@ -42,6 +42,9 @@ _log = logging.getLogger("hvrep")
 POOL_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 # The budget size_pools applied in this process (a later Replicator finds the pools sized by an earlier one).
 _applied: Budget | None = None
+# The cores bind_cores bound this process to (a later Replicator finds them narrower than the node: its own doing,
+# not a launcher's, and keeps them).
+_bound: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -247,10 +250,13 @@ def bind_cores(local_rank: int, local_size: int, threads: int, *, launcher_binds
     Raises:
       ConfigError: the shared set has fewer cores than ``local_size * threads``.
     """
+    global _bound
     allowed = sorted(os.sched_getaffinity(0))
     online = os.cpu_count() or len(allowed)
     box = container_cpus() if container is None else container
     box = min(online, box) if box is not None else online
+    if _bound is not None and tuple(allowed) == _bound:
+        return Binding(_bound, bound_here=False)  # bound by an earlier Replicator of this process: kept
     sharers = ranks_sharing(local_size, len(allowed), box, launcher_binds)
     if len(allowed) < online and (sharers != local_size or local_size == 1):
         return Binding(tuple(allowed), bound_here=False)  # bound already: by the launcher, or a set only some share
@@ -261,6 +267,7 @@ def bind_cores(local_rank: int, local_size: int, threads: int, *, launcher_binds
             f"node, which has {len(allowed)}. Fix: lower train.threads to {max(1, len(allowed) // local_size)}, run "
             "fewer ranks per node, or set train.bind_cores=false.")
     mine = allowed[local_rank * threads:(local_rank + 1) * threads]
+    _bound = tuple(mine)
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), mine)

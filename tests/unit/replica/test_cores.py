@@ -60,6 +60,22 @@ def test_a_process_a_launcher_bound_already_keeps_its_binding():
     assert got["late"] == [ALLOWED[-1]]
 
 
+TWICE = r"""
+import json
+from hvrep.replica.cores import bind_cores
+first = bind_cores(0, 2, 1)
+again = bind_cores(0, 2, 1)  # a second Replicator of the process: its set is now narrower than the node
+print(json.dumps([first.cores, first.bound_here, again.cores, again.bound_here]))
+"""
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="binding one of 2 ranks to a core of its own needs 2 cores")
+def test_a_second_binding_keeps_the_cores_the_first_one_chose():
+    out = subprocess.run([sys.executable, "-c", TWICE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [[ALLOWED[0]], True, [ALLOWED[0]], False]
+
+
 def test_more_ranks_times_threads_than_cores_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"x train.threads=2 = .* cores on this node.*Fix: lower train.threads"):
         bind_cores(0, len(ALLOWED), 2)
