@@ -95,7 +95,8 @@ def efficiency(point: Mapping[str, Any], cluster: Mapping[str, Any], layers: lis
                       grad_bytes=grad_bytes, tensors=len(layers), layers=tuple(layers),
                       beta_s=values["negotiation_us"] * 1e-6,
                       fusion_threshold_bytes=int(_ranged(cluster["fusion_threshold_bytes"])[0]),
-                      cycle_s=_ranged(cluster["cycle_ms"])[0] * 1e-3)
+                      cycle_s=_ranged(cluster["cycle_ms"])[0] * 1e-3,
+                      bucketing=cluster.get("bucketing", {}).get("point", "dynamic"))
     g = cluster["gpus_per_server"]
     machines = Cluster(g, Interconnect("intra", values["intra_bandwidth_GBps"], values["intra_latency_us"]),
                        Interconnect("inter", values["inter_bandwidth_GBps"], values["inter_latency_us"]),
