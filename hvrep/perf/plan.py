@@ -121,7 +121,8 @@ class Profile:
         _positive("state_bytes", self.state_bytes, zero=True)
         _positive("cycle_s", self.cycle_s, zero=True)
         if self.bucketing not in BUCKETINGS:
-            raise ConfigError(f"bucketing must be one of {', '.join(BUCKETINGS)}, got {self.bucketing!r}.")
+            raise ConfigError(f"bucketing must be one of {', '.join(BUCKETINGS)}, got {self.bucketing!r}. Fix: "
+                              "'static' for hvrep's buckets, 'dynamic' for Horovod's Tensor Fusion (docs/planning.md).")
         if self.input_images_per_sec is not None:
             _positive("input_images_per_sec", self.input_images_per_sec)
         if self.layers is not None and not self.layers:
