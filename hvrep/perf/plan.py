@@ -17,7 +17,10 @@ equations, with their sources, are in docs/planning.md:
 * overlap of the reduction with the backward pass: gradients become ready in backward order (at times given
   by the profile's layers, or evenly over the backward pass); whenever the link is free, everything ready, up
   to the fusion threshold, goes as one collective (Horovod's Tensor Fusion; PyTorch DDP's buckets are the
-  static form). Exposed communication = when the last collective ends − when the backward pass ends;
+  static form; hvrep's buckets are static too, each enqueued when complete and sent at the next cycle tick).
+  Horovod 0.9-0.13 in a TF 1.x graph ("launch") fixed its fused groups when the gradients' kernels were
+  launched, ahead of their data: static groups, each sent when its last gradient is ready, back to back with
+  no tick between them. Exposed communication = when the last collective ends − when the backward pass ends;
 * negotiation: β per collective (Horovod's coordination of which tensors are ready), not overlapped;
 * input: the node's pipeline must deliver g·batch images per step; prefetching hides it behind the rest, so
   the step is max(compute + exposed communication + negotiation, g·batch / input images/s).
@@ -43,6 +46,7 @@ from hvrep.perf.costmodel import DEFAULT_BETA_TENSOR_S, PRESETS, Interconnect, p
 
 TOPOLOGIES = ("ring", "hierarchical")
 INTER_ALGORITHMS = ("ring", "halving_doubling")
+BUCKETINGS = ("dynamic", "static", "launch")
 # hvrep's own fusion threshold (CommConfig.fusion_threshold_bytes): the default bucket when a profile names none.
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
@@ -77,8 +81,12 @@ class Profile:
       gradient_shapes: optional shapes of the gradients, needed for PowerSGD's payload.
       beta_s: β, the fixed cost of one collective (negotiation), seconds.
       fusion_threshold_bytes: the largest fused collective.
-      bucketing: "dynamic" (Horovod's Tensor Fusion: whatever is ready when the link frees) or "static"
-        (hvrep's and PyTorch DDP's buckets: fixed groups of consecutive gradients, each sent when complete).
+      bucketing: "dynamic" (Horovod's Tensor Fusion: whatever is ready when the link frees), "static"
+        (hvrep's and PyTorch DDP's buckets: fixed groups of consecutive gradients, each sent when complete, at
+        the next cycle tick), or "launch" (Horovod 0.9-0.13 in a TF 1.x graph: the ops are enqueued when the
+        executor launches the gradients' kernels, ahead of the device computing them, so the coordinator
+        fixes the fused groups (consecutive, up to the threshold) before their data exist; each group waits
+        for its last gradient and they run back to back, no cycle tick between them).
       cycle_s: how often the library looks for ready gradients (Horovod's HOROVOD_CYCLE_TIME: 1 ms since 0.21,
         5 ms before): a collective starts only at a cycle's tick; 0 means at once.
       input_images_per_sec: the node's input pipeline, images/s, or None (not limiting).
@@ -112,8 +120,9 @@ class Profile:
         _count("fusion_threshold_bytes", self.fusion_threshold_bytes)
         _positive("state_bytes", self.state_bytes, zero=True)
         _positive("cycle_s", self.cycle_s, zero=True)
-        if self.bucketing not in ("dynamic", "static"):
-            raise ConfigError(f"bucketing must be 'dynamic' or 'static', got {self.bucketing!r}.")
+        if self.bucketing not in BUCKETINGS:
+            raise ConfigError(f"bucketing must be one of {', '.join(BUCKETINGS)}, got {self.bucketing!r}. Fix: "
+                              "'static' for hvrep's buckets, 'dynamic' for Horovod's Tensor Fusion (docs/planning.md).")
         if self.input_images_per_sec is not None:
             _positive("input_images_per_sec", self.input_images_per_sec)
         if self.layers is not None and not self.layers:
@@ -344,8 +353,10 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
         per = 1.0
     elif scheme.compression in ("fp32", "fp16"):
         scale = 0.5 if scheme.compression == "fp16" else 1.0
+        # "launch": the groups were negotiated when the kernels were launched, so no cycle tick delays them.
         comm = overlap(profile.ready(scale), profile.backward_s, one, threshold, after_backward=not overlap_backward,
-                       cycle_s=profile.cycle_s, static=profile.bucketing == "static")
+                       cycle_s=0.0 if profile.bucketing == "launch" else profile.cycle_s,
+                       static=profile.bucketing != "dynamic")
         per = 1.0
     elif scheme.compression == "powersgd":
         if profile.gradient_shapes is None:

@@ -60,3 +60,18 @@ def test_the_band_holds_the_point_estimate_and_spans_the_input_ranges(bench):
     assert r["no_overlap"] < r["point"]  # reducing after the backward pass can only be slower
     for low, high in r["swings"].values():  # each input alone stays inside the band
         assert r["low"] - 1e-12 <= min(low, high) and max(low, high) <= r["high"] + 1e-12
+
+
+def test_the_horovod_runs_fuse_at_launch_and_the_implied_bandwidth_meets_the_published_figure(bench):
+    cluster = INPUTS["clusters"]["horovod_pascal_25gbe"]
+    assert cluster["bucketing"]["point"] == "launch" and cluster["bucketing"]["source"]
+    point = next(p for p in INPUTS["points"] if p["label"] == "Horovod, VGG-16, 128 GPUs")
+    layers = ([(4e6, 1.0)] * 100 + [(400e6, 0.1)])[::-1]
+    r = bench.evaluate(point, cluster, INPUTS["shared"], layers)
+    implied = r["implied_inter_bandwidth_GBps"]
+    at_point = {k: v[0] for k, v in bench._inputs_of(point, cluster, INPUTS["shared"]).items()}
+    got = bench.efficiency(point, cluster, layers, {**at_point, "inter_bandwidth_GBps": implied})[0]
+    assert got == pytest.approx(point["published_efficiency"], abs=1e-6)
+    # the launch groups, fixed ahead: the 400 MB layer alone, then the 100 layers of 4 MB in groups of 16
+    # (16 x 4e6 <= 64 MiB < 17 x 4e6): 1 + ceil(100 / 16) = 8 collectives
+    assert r["collectives"] == 8

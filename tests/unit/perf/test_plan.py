@@ -87,6 +87,29 @@ def test_a_collective_starts_only_on_a_cycle_tick():
     assert (got.collectives, got.end_s, got.exposed_s) == (2, 8.5, 4.5)
 
 
+def test_launch_groups_are_fixed_ahead_and_wait_for_no_cycle_tick():
+    # Horovod 0.9-0.13 in a TF 1.x graph. Four 1-byte gradients ready at 1, 2, 3, 4 s of a 4 s backward pass;
+    # 2 nodes of 1 device: a collective is 2*1*α + 2*1/2 * b / B = 0.5 s + 1 s/byte (α 0.25 s, B 1 byte/s);
+    # threshold 2 bytes, cycle 3 s.
+    layers = ((1.0, 1.0),) * 4
+    cluster = _cluster(1, inter=(1e-9, 0.25e6))
+
+    def exposed(bucketing: str) -> float:
+        p = _profile(backward_s=4.0, grad_bytes=4.0, tensors=4, layers=layers, fusion_threshold_bytes=2,
+                     cycle_s=3.0, bucketing=bucketing)
+        return plan.predict(p, cluster, plan.Scheme("fp32"), 2).exposed_communication_s
+
+    # launch: groups [1,2] and [3,4] fixed ahead; [1,2] when its last is ready, 2-4.5; [3,4] back to back,
+    # 4.5-7: 3 s after the backward pass
+    assert exposed("launch") == pytest.approx(3.0, rel=1e-9)
+    # static: the same groups, each at the next tick: [1,2] ready at 2 -> 3-5.5, [3,4] -> 6-8.5: 4.5 s
+    assert exposed("static") == pytest.approx(4.5, rel=1e-9)
+    # dynamic: the tick at 3 finds [1,2,3] ready, takes [1,2] (threshold) 3-5.5; tick 6: [3,4] 6-8.5: 4.5 s
+    assert exposed("dynamic") == pytest.approx(4.5, rel=1e-9)
+    with pytest.raises(ConfigError, match="bucketing must be one of dynamic, static, launch"):
+        _profile(bucketing="eager")
+
+
 def test_the_profiles_layers_set_when_each_gradient_is_ready():
     p = _profile(layers=((3.0, 1.0), (5.0, 3.0)), grad_bytes=8.0, tensors=2)  # rescaled to backward_s = 2
     assert p.ready() == [(0.5, 3.0), (2.0, 5.0)]
