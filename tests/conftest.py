@@ -39,6 +39,7 @@ LONGEST_FIRST = (
     "tests/multirank/test_dead_and_stopped_ranks.py",
     "tests/unit/train/test_train_stop.py",
     "tests/multirank/test_elastic.py",
+    "tests/multirank/test_usage_error_under_horovodrun.py",  # issue 47: two horovodrun launches, ~80 s
     "tests/unit/train/test_schedule_resume.py",
     "tests/unit/replica/test_backend_choice.py",
     "tests/unit/test_compat.py",

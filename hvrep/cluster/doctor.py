@@ -144,10 +144,11 @@ def _mpi() -> dict[str, Any]:
                                      "1 from hvrep's Replicator, if it starts MPI (CommConfig."
                                      "mpi_yield_when_idle); Open MPI alone busy-polls")
     if library.startswith("Open MPI v5") and _dist_version("horovod") == "0.28.1":
-        from hvrep.compat.build_horovod import runner_patched
+        from hvrep.compat.build_horovod import MPI_BINDING_PATCH, runner_patched
 
+        fixed = runner_patched(MPI_BINDING_PATCH)
         report["horovodrun_over_mpi"] = (
-            "works: hvrep's install fixed horovodrun's binding arguments for Open MPI 5" if runner_patched() else
+            "works: hvrep's install fixed horovodrun's binding arguments for Open MPI 5" if fixed else
             "fails (\"Executable: none\"): this Horovod 0.28.1 lacks hvrep's runner fix. Fix: `make setup` (it "
             'applies it), or pass --binding-args="--bind-to none --map-by slot", or --gloo')
     return report

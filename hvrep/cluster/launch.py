@@ -55,7 +55,7 @@ The choices, and where they come from:
   ``bind``. Horovod 0.28.1's own default, Open MPI 4's ``-bind-to none
   -map-by slot``, is read by Open MPI 5 as an unknown option and the program
   ``none`` ("Executable: none"); hvrep's Horovod install fixes that line
-  (``hvrep.compat.build_horovod.RUNNER_PATCH``), and ``--binding-args`` keeps
+  (``hvrep.compat.build_horovod.MPI_BINDING_PATCH``), and ``--binding-args`` keeps
   a Horovod installed otherwise working too.
 * **Elastic (horovodrun only)**: ``host_discovery_script`` with ``min_np``/``max_np`` starts Horovod's
   elastic driver (``--min-np A --max-np B --host-discovery-script S``, no ``-H``: the script names the

@@ -10,8 +10,9 @@ and a hash of the compat headers, the patch and build recipe), so a fresh clone 
 venv on the same machine installs in seconds, and a change of any of those
 builds anew instead of loading a wheel built for something else.
 
-A marker file in the environment records the key it holds, which makes a
-second ``make setup`` with nothing changed a no-op.
+The installed wheel's Python runner then gets ``RUNNER_PATCHES`` (horovodrun over Open MPI 5; a worker's
+usage error kept as the last line under horovodrun --gloo). A marker file in the environment records the key
+it holds and ``RUNNER_PATCH_ID``, which makes a second ``make setup`` with nothing changed a no-op.
 """
 
 from __future__ import annotations
@@ -48,17 +49,49 @@ from hvrep.errors import SetupError
 # Bump when the build flags below change, so cached wheels are not reused.
 RECIPE_VERSION = "1"
 
+@dataclass(frozen=True)
+class RunnerPatch:
+    """One exact replacement in the installed Horovod's Python runner (``file`` under the ``horovod`` package)."""
+
+    file: str
+    old: str
+    new: str
+    why: str  # for the log and for the error when ``old`` is missing
+
+
 # Horovod 0.28.1's runner (horovod/runner/mpi_run.py, _get_mpi_implementation_flags) gives Open MPI its binding
 # arguments as "-bind-to none -map-by slot"; Open MPI 5's prterun takes single-dash words apart, so
 # `horovodrun -np 2 python train.py` (MPI, the default without --gloo) stops with "Executable: none". Open MPI 4
-# and 5 both accept the two-dash spelling. The fix is applied to the installed file, after the (cached) wheel is
-# installed; RUNNER_PATCH is part of the environment's marker, so an environment installed without it gets it
-# from the cached wheel in seconds, with no rebuild.
-RUNNER_PATCH_FILE = Path("runner") / "mpi_run.py"
-RUNNER_PATCH = (
+# and 5 both accept the two-dash spelling.
+MPI_BINDING_PATCH = RunnerPatch(
+    "runner/mpi_run.py",
     "        return list(_OMPI_FLAGS), list(_NO_BINDING_ARGS), _OMPI_IMPL\n",
-    "        return list(_OMPI_FLAGS), ['--bind-to none', '--map-by slot'], _OMPI_IMPL  # hvrep: Open MPI 5\n")
-RUNNER_PATCH_ID = "runner1"
+    "        return list(_OMPI_FLAGS), ['--bind-to none', '--map-by slot'], _OMPI_IMPL  # hvrep: Open MPI 5\n",
+    "Open MPI binding arguments as --bind-to none --map-by slot")
+# horovodrun --gloo (static and elastic: both start workers through gloo_run._exec_command_fn) answers a worker's
+# non-zero exit with "Process N exit with status code C.", then a 20-line RuntimeError traceback ending in
+# "Exit code: C" (elastic: after "failure count == N -> stop running", or, with a worker left, a wait for hosts).
+# A worker that exits 2 has stopped on a usage error and said why in its last line (hvrep's ConfigError; argparse
+# does the same): the launcher ends at once with 2, after the worker's output is forwarded, so that line stays the
+# last one the user sees. os._exit, not an exception: the exit happens in a worker's thread, and the other workers'
+# middlemen end them when this process goes (safe_shell_exec's parent-death pipe), so none of them prints after.
+# Any other exit code keeps Horovod's behaviour.
+GLOO_USAGE_EXIT_PATCH = RunnerPatch(
+    "runner/gloo_run.py",
+    "            if exit_code != 0:\n"
+    "                print('Process {idx} exit with status code {ec}.'.format(idx=index, ec=exit_code))\n",
+    "            if exit_code == 2:  # hvrep: a usage error, told by the worker; keep its line last and exit 2\n"
+    "                sys.stdout.flush()\n"
+    "                sys.stderr.flush()\n"
+    "                os._exit(2)\n"
+    "            if exit_code != 0:\n"
+    "                print('Process {idx} exit with status code {ec}.'.format(idx=index, ec=exit_code))\n",
+    "a worker's usage error (exit 2) ends horovodrun --gloo with exit 2, its line last")
+# Applied to the installed files after the (cached) wheel is installed. RUNNER_PATCH_ID is part of the
+# environment's marker: bump it when this list changes, and an environment installed without a patch gets it
+# from the cached wheel in seconds, with no rebuild.
+RUNNER_PATCHES = (MPI_BINDING_PATCH, GLOO_USAGE_EXIT_PATCH)
+RUNNER_PATCH_ID = "runner2"
 NCCL_WHEEL = "nvidia-nccl-cu12==2.32.3"
 # Headers TensorFlow's public headers include from the two Debian packages.
 _DEBIAN_HEADERS = ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayhash.h")
@@ -359,38 +392,51 @@ def verify(plan: BuildPlan) -> str:
 
 
 def patch_runner(horovod_dir: Path) -> bool:
-    """Applies :data:`RUNNER_PATCH` to the Horovod package in ``horovod_dir``; False if it already was.
+    """Applies :data:`RUNNER_PATCHES` to the Horovod package in ``horovod_dir``; False if all already were.
+
+    Every file is checked before any is written, so a mismatch leaves the package as it was.
 
     Raises:
-      SetupError: the line to replace is not there (another Horovod version than this patch is for).
+      SetupError: a text to replace is not there (another Horovod version than these patches are for).
     """
-    path = horovod_dir / RUNNER_PATCH_FILE
-    text = path.read_text()
-    old, new = RUNNER_PATCH
-    if new in text:
-        return False
-    if old not in text:
-        raise SetupError(f"{path} lacks the line hvrep's runner fix replaces ({old.strip()!r}): it is not Horovod "
-                         f"{HOROVOD_VERSION}'s. Fix: install Horovod {HOROVOD_VERSION} (`make setup`), or drop "
-                         "RUNNER_PATCH in hvrep/compat/build_horovod.py if this Horovod passes --bind-to itself.")
-    path.write_text(text.replace(old, new))
-    return True
+    texts: dict[Path, str] = {}
+    todo = []
+    for patch in RUNNER_PATCHES:
+        path = horovod_dir / patch.file
+        text = texts.setdefault(path, path.read_text())
+        if patch.new in text:
+            continue
+        if patch.old not in text:
+            first = next(line.strip() for line in patch.old.splitlines() if line.strip())
+            raise SetupError(f"{path} lacks the lines hvrep's runner patch replaces ({patch.why}; they begin "
+                             f"{first!r}): it is not Horovod {HOROVOD_VERSION}'s. Fix: install Horovod "
+                             f"{HOROVOD_VERSION} (`make setup`), or drop that patch from RUNNER_PATCHES in "
+                             "hvrep/compat/build_horovod.py if this Horovod does not need it.")
+        texts[path] = text.replace(patch.old, patch.new)
+        todo.append(patch)
+    for patch in todo:
+        _log(f"patching horovod/{patch.file}: {patch.why}")
+    for path in {horovod_dir / patch.file for patch in todo}:
+        path.write_text(texts[path])
+    return bool(todo)
 
 
 def _installed_horovod_dir() -> Path:
     return Path(md.distribution("horovod").locate_file("horovod"))
 
 
-def runner_patched() -> bool | None:
-    """Whether the installed Horovod's runner has :data:`RUNNER_PATCH`; None without Horovod."""
+def runner_patched(patch: RunnerPatch | None = None) -> bool | None:
+    """Whether the installed Horovod's runner has ``patch`` (all of :data:`RUNNER_PATCHES` for None); None
+    without Horovod."""
     try:
-        return RUNNER_PATCH[1] in (_installed_horovod_dir() / RUNNER_PATCH_FILE).read_text()
+        return all(p.new in (_installed_horovod_dir() / p.file).read_text()
+                   for p in ((patch,) if patch else RUNNER_PATCHES))
     except (md.PackageNotFoundError, OSError):
         return None
 
 
 def installed_key(plan: BuildPlan) -> str:
-    """The environment's marker for ``plan``: its wheel's cache key and the runner patch applied on top."""
+    """The environment's marker for ``plan``: its wheel's cache key and the runner patches applied on top."""
     return f"{plan.key}-{RUNNER_PATCH_ID}"
 
 
@@ -412,8 +458,7 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
     else:
         _log(f"installing the cached wheel {wheel}")
     _wheels.install(wheel)
-    if patch_runner(_installed_horovod_dir()):
-        _log("patched horovod/runner/mpi_run.py: Open MPI binding arguments as --bind-to none --map-by slot")
+    patch_runner(_installed_horovod_dir())
     _build_shim(plan)
     _log(verify(plan).strip().replace("\n", "\n    "))
     _wheels.mark("horovod", marker)

@@ -21,6 +21,7 @@ XLA on wherever a GPU is visible.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -38,6 +39,13 @@ def _check_replicator(replicator: Any) -> Any:
         raise ConfigError(f"replicator must be an hvrep.Replicator, got {type(replicator).__name__}. "
                           "Fix: pass the Replicator the DistributedOptimizer uses.")
     return replicator
+
+
+def _local_sgd(model: Any) -> Any:
+    """The model's optimizer's local SGD (``hvrep.replica.localsgd.LocalSGD``) when it has diverged replicas
+    (mid-round), else None."""
+    local_sgd = getattr(getattr(model, "optimizer", None), "local_sgd", None)
+    return local_sgd if local_sgd is not None and local_sgd.mid_round else None
 
 
 def keep_collectives_out_of_xla(model: Any, replicator: Any) -> None:
@@ -72,6 +80,13 @@ class BroadcastGlobalVariablesCallback(_ReplicaCallback):
     ``on_train_begin``: Keras 3 has built the optimizer by then, so even the
     first step starts from identical weights, and fit with N ranks x B equals
     fit with one process x NB also for models each rank built from its own seed.
+
+    With local SGD (``DistributedOptimizer(opt, repl, model=model)`` and ``CommConfig.local_steps``), ``fit``
+    also ends on the replicas' mean model: when its last step is not a synchronisation (a step count that is
+    not a multiple of H), ``on_train_end`` averages the models there, plainly (as a checkpoint does; no outer
+    step, the optimizer's state stays each replica's own). Local SGD's output is the averaged model (Lin et
+    al. 2018, Algorithm 1; Stich 2018 bounds the averaged iterate), and without this each rank's
+    ``evaluate``, ``predict`` or ``save`` after ``fit`` would use a different model.
     """
 
     def __init__(self, replicator: Any, root_rank: int = 0) -> None:
@@ -89,6 +104,11 @@ class BroadcastGlobalVariablesCallback(_ReplicaCallback):
         variables = list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
         self.replicator.broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        local_sgd = _local_sgd(self.model)
+        if local_sgd is not None:  # every replica counted the same steps: all take this branch together
+            self.replicator.run(local_sgd.average_now)  # the model, plainly
 
 
 def _numeric(logs: dict) -> list[str]:
@@ -108,6 +128,10 @@ class MetricAverageCallback(_ReplicaCallback):
       callback to ``evaluate`` too). Right for every metric whose state is sums
       and counts starting at zero (Mean, the accuracies, Precision/Recall, AUC,
       MeanIoU ...); every rank must run the same number of test batches.
+    - With local SGD, an evaluation between two synchronisations (``fit``'s validation at an epoch end that is
+      not a multiple of H) evaluates the replicas' mean model, in a copy: ``on_test_begin`` averages the models
+      (each replica's own weights kept), ``on_test_end`` puts each replica's own weights back, so training goes
+      on as if nothing had been evaluated (``hvrep.replica.localsgd.LocalSGD.averaged_model``).
 
     Put it before callbacks that read the logs (ModelCheckpoint, EarlyStopping).
     """
@@ -115,6 +139,7 @@ class MetricAverageCallback(_ReplicaCallback):
     def __init__(self, replicator: Any) -> None:
         super().__init__(replicator)
         self._synced: np.ndarray | None = None
+        self._mean_model = contextlib.ExitStack()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not self._across_processes or not logs:
@@ -127,6 +152,12 @@ class MetricAverageCallback(_ReplicaCallback):
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         self._synced = None
+        local_sgd = _local_sgd(self.model)
+        if local_sgd is not None:
+            self._mean_model.enter_context(local_sgd.averaged_model(self.replicator.run))
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        self._mean_model.close()  # each replica's own weights back (nothing to do without local SGD)
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # After every test batch (Keras reads the metrics once the loop ends, and a callback cannot tell which

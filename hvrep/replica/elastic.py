@@ -132,6 +132,8 @@ class State:
         if model is not None and not list(model.variables):
             raise ConfigError(f"hvrep.elastic.State: the model {getattr(model, 'name', model)!r} has no variables "
                               "yet. Fix: build it before making the state (call it on a batch, or model.build(shape)).")
+        # Beside the table's check (which reads repl.config): an optimizer wrapped by another Replicator, one with
+        # local_steps, is refused here only.
         local_sgd = getattr(optimizer, "local_sgd", None)
         if local_sgd is not None:
             raise ConfigError(f"hvrep.elastic.State: the optimizer runs local SGD (CommConfig.local_steps="

@@ -117,3 +117,69 @@ def case_an_evaluation_mid_round_is_of_the_averaged_model_and_leaves_training_un
     assert seen["unchanged"] == 0.0, seen
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(evaluated, plain, strict=True))
     assert diff == 0.0, diff
+
+
+def _fit_with_validation(repl, validate: bool, steps: int = 3):
+    """Keras fit with local SGD (H=4) for one epoch of ``steps`` (not a multiple of H: it ends mid-round), rank r
+    training on labels r (the replicas' models diverge), with fit's validation on ``validate``. Returns the
+    model, this rank's own weights after the last step (before fit's end) and fit's history."""
+    import keras
+
+    import hvrep.keras
+
+    class OwnWeights(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.weights = [w.copy() for w in self.model.get_weights()]
+
+    x, _ = sim.data(repl.num_replicas, steps)
+    rows = x[repl.rank * steps * sim.B:(repl.rank + 1) * steps * sim.B]
+    val_x, val_y = sim.data(1, 4)
+    with repl.scope():
+        model = sim.make_model(bn=True)
+        model.compile(optimizer=hvrep.keras.DistributedOptimizer(sim.make_optimizer(), repl, model=model),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    own = OwnWeights()
+    history = model.fit(rows, np.full(len(rows), repl.rank, np.int32), batch_size=sim.B, epochs=1, shuffle=False,
+                        verbose=0, validation_data=(val_x, val_y) if validate else None, validation_batch_size=8,
+                        callbacks=[hvrep.keras.callbacks.BroadcastGlobalVariablesCallback(repl),
+                                   hvrep.keras.callbacks.MetricAverageCallback(repl), own])
+    return model, own.weights, history.history
+
+
+def _evaluate_alone(weights, val_x, val_y) -> list:
+    """A one-process Keras evaluation of ``weights`` (no Replicator, no local SGD): loss, accuracy."""
+    import keras
+
+    model = sim.make_model(bn=True)
+    model.set_weights(weights)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model.evaluate(val_x, val_y, batch_size=8, verbose=0)
+
+
+def case_keras_fit_validates_and_ends_on_the_replicas_mean_model():
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_steps=4))
+    try:
+        val_x, val_y = sim.data(1, 4)
+        model, own, history = _fit_with_validation(repl, validate=True)
+        spread_before_end = _same_everywhere(repl, own)
+        # The replicas' mean, summed by the host: what fit's validation and every evaluation after fit must see.
+        mean = [repl.reduce(w.astype(np.float64), "sum") / repl.num_replicas for w in own]
+        after = model.get_weights()
+        spread_after = _same_everywhere(repl, after)
+        evaluated = model.evaluate(val_x, val_y, batch_size=8, verbose=0)  # Keras' own, no hvrep callback
+        evaluations = [repl.reduce(np.array(evaluated), "max"), repl.reduce(np.array(evaluated), "min")]
+        validated = [history["val_loss"][0], history["val_accuracy"][0]]
+        validations = [repl.reduce(np.array(validated), "max"), repl.reduce(np.array(validated), "min")]
+        plain_model, _, _ = _fit_with_validation(repl, validate=False)
+        unchanged = max(float(np.max(np.abs(a - b))) for a, b in zip(after, plain_model.get_weights(), strict=True))
+    finally:
+        repl.close()
+    reference = _evaluate_alone([m.astype(np.float32) for m in mean], val_x, val_y)
+    assert spread_before_end > 0, "rank r trains on labels r: the models should differ mid-round"
+    assert spread_after == 0.0, spread_after  # fit ended on one model
+    assert sim.max_difference(after, mean) <= 1e-6, sim.max_difference(after, mean)
+    assert np.allclose(evaluated, reference, rtol=1e-5, atol=1e-6), (evaluated, reference)
+    assert np.array_equal(evaluations[0], evaluations[1]), evaluations  # every rank evaluated the same model
+    assert np.array_equal(validations[0], validations[1]), validations  # every rank validated the same model
+    assert np.allclose(validated, reference, rtol=1e-5, atol=1e-6), (validated, reference)
+    assert unchanged == 0.0, unchanged  # validating, in a copy, changed nothing in training

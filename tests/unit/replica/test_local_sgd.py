@@ -81,6 +81,16 @@ def test_keras_fit_with_distributed_optimizer_equals_the_simulation():
     assert _every_copy_equals(parts, sim.simulate(2, 4, bn=True)) <= 1e-5
 
 
+def test_keras_fit_ending_mid_round_ends_with_every_replica_on_one_model():
+    # 3 steps with H = 4: the replicas' copies have diverged at fit's last step (each trains on other rows);
+    # BroadcastGlobalVariablesCallback's on_train_end averages them (the multi-rank case checks the mean itself).
+    repl = _repl(local_steps=4)
+    parts = sim.fit(repl, bn=True, steps=3, parts=True)
+    repl.close()
+    assert all(len(p) == 2 for p in parts)
+    assert max(float(np.max(np.abs(p[0] - p[1]))) for p in parts) == 0.0
+
+
 def test_a_checkpoint_saved_mid_round_resumes_bit_identically(tmp_path):
     # The outer optimizer's anchors and momenta, the model and each replica's momentum all go through it.
     repl = _repl(local_steps=4, outer_optimizer="nesterov")
