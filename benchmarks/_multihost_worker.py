@@ -236,7 +236,8 @@ def _scheme_case(args: argparse.Namespace, scheme: str, common: dict[str, Any], 
         before = repl.collective_calls
         for _ in range(per_call):  # local SGD: H steps, the last one synchronising
             repl.run(step, args=(x, y)).numpy()
-        desc["collectives"] = repl.collective_calls - before
+        # Counted when the step is traced (the first call): keep that count.
+        desc["collectives"] = repl.collective_calls - before or desc.get("collectives", 0)
     return desc, call
 
 

@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     alone.update(compare(alone["predicted_step_s"], alone["predicted_efficiency"],
                                          measured["measured_step_s"], measured["measured_efficiency"]))
                     point = {**common, "kind": "point", "hosts": hosts, "link_gbit": rate, "scheme": case["scheme"],
-                             "collectives_per_call": case["collectives"], "cluster": cluster, **measured, **same,
+                             "collectives_traced": case["collectives"], "cluster": cluster, **measured, **same,
                              **compare(same["predicted_step_s"], same["predicted_efficiency"],
                                        measured["measured_step_s"], measured["measured_efficiency"]),
                              "profile_alone": alone, "loadavg": result["loadavg"],
