@@ -1,7 +1,7 @@
 """`hvrep plan` against measured runs on namespace hosts (hvrep netbed): sync fp32, fp16, PowerSGD, local SGD (root).
 
     python benchmarks/plan_vs_bed.py --out results/plan_vs_bed.jsonl     # 45 min here at load average 17-55
-    python benchmarks/plan_vs_bed.py --hosts 2 --link-gbit 1 --repeats 3 --out /tmp/x.jsonl   # a smoke run
+    python benchmarks/plan_vs_bed.py --hosts 2 --link-gbit 1 --repeats 3 --out "$(mktemp -d)/x.jsonl"   # smoke
 
 One bed of 4 network namespaces (``hvrep.cluster.netbed``). For each host count N (2, 3, 4):
 
