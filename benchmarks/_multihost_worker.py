@@ -2,6 +2,7 @@
 
     python _multihost_worker.py allreduce --sizes 524288,2097152,8388608 --counts 1,32 --out F.json
     python _multihost_worker.py train --thresholds 0,26214400 --compressions none,fp16 --overlap off,on --out F.json
+    python _multihost_worker.py train --thresholds "" --schemes fp32,fp16,powersgd:4,local:4 --out F.json
 
 ``allreduce``: ``hvrep.all_reduce`` (mean) of k fp32 tensors holding S bytes
 in all, one collective per tensor (``fusion_threshold_bytes=0``), for every
@@ -11,7 +12,11 @@ in all, one collective per tensor (``fusion_threshold_bytes=0``), for every
 batch, timed for every setting (hvrep fusion threshold x compression x
 overlap) and without any all-reduce ("compute": forward, backward and update
 alone, every rank at once, so the compute time is the one of N ranks sharing
-the machine). All cases are timed round-robin, one step of each per round,
+the machine). ``--schemes`` adds one case per communication scheme trained as
+a user trains (``Replicator.wrap_optimizer`` on hvrep's default buckets, each
+scheme its own model from the same seed): fp32, fp16, powersgd:R (rank R) and
+local:H (local SGD; one timed call is H steps, ending on the synchronisation,
+and its ``steps_per_call`` is H). All cases are timed round-robin, one step of each per round,
 so a slow spell on the shared machine hits them alike.
 
 Timing, both modes: the ranks meet at a barrier (outside the timer) before each
@@ -53,6 +58,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--thresholds", type=_ints, default=[25 * 1024 * 1024])
     t.add_argument("--compressions", type=_words, default=["none"])
     t.add_argument("--overlap", type=_words, default=["off"])
+    t.add_argument("--schemes", type=_words, default=[], help="fp32, fp16, powersgd:R, local:H (wrap_optimizer)")
     for s in (a, t):
         s.add_argument("--warmup", type=int, default=2)
         s.add_argument("--repeats", type=int, default=8)
@@ -179,7 +185,60 @@ def _train_cases(args: argparse.Namespace, first: Any, hvd: Any, rank: int, size
                     scope = f"step_T{threshold}_{compression}_{overlap}"
                     add({**common, "case": "step", "fusion_threshold_bytes": threshold, "compression": compression,
                          "overlap": overlap == "on"}, repl, make_step(True, overlap == "on", scope))
+        for scheme in args.schemes:
+            cases.append(_scheme_case(args, scheme, common, x, y, loss_fn))
     return cases
+
+
+def scheme_config(scheme: str) -> tuple[dict[str, Any], int]:
+    """CommConfig fields and steps per timed call for ``fp32``, ``fp16``, ``powersgd:R``, ``local:H``."""
+    kind, _, arg = scheme.partition(":")
+    if kind == "fp32" and not arg:
+        return {}, 1
+    if kind == "fp16" and not arg:
+        return {"compression": "fp16"}, 1
+    if kind == "powersgd" and arg.isdigit() and int(arg) >= 1:
+        return {"compression": "powersgd", "powersgd_rank": int(arg)}, 1
+    if kind == "local" and arg.isdigit() and int(arg) >= 1:
+        return {"local_steps": int(arg)}, int(arg)
+    raise SystemExit(f"--schemes: {scheme!r} is not fp32, fp16, powersgd:R or local:H")
+
+
+def _scheme_case(args: argparse.Namespace, scheme: str, common: dict[str, Any], x: Any, y: Any,
+                 loss_fn: Any) -> tuple[dict[str, Any], Any]:
+    import keras
+    import tensorflow as tf
+
+    import hvrep
+    from hvrep import models
+
+    fields, per_call = scheme_config(scheme)
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(**fields))
+    with repl.scope():
+        keras.utils.set_random_seed(0)
+        model = models.small_resnet(10, (args.image_size, args.image_size, 3), width=args.width)
+        opt = repl.wrap_optimizer(keras.optimizers.SGD(0.001, momentum=0.9),
+                                  model=model if "local_steps" in fields else None)
+        opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+
+    def step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
+        with tf.name_scope(f"scheme_{scheme.replace(':', '_')}"):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, variables)
+            opt.apply_gradients(zip(grads, variables, strict=True))
+            return loss
+
+    desc = {**common, "case": "scheme", "scheme": scheme, "steps_per_call": per_call, "config": fields}
+
+    def call() -> None:
+        before = repl.collective_calls
+        for _ in range(per_call):  # local SGD: H steps, the last one synchronising
+            repl.run(step, args=(x, y)).numpy()
+        # Counted when the step is traced (the first call): keep that count.
+        desc["collectives"] = repl.collective_calls - before or desc.get("collectives", 0)
+    return desc, call
 
 
 if __name__ == "__main__":

@@ -302,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     nd.add_argument("--model", choices=("small_resnet", "resnet50"), default="small_resnet")
     nd.add_argument("--per-replica-batch", type=int, default=32)
     nd.add_argument("--image-size", type=int, default=32)
+    nd.add_argument("--width", type=int, default=None,
+                    help="small_resnet's width (default its own, 16; 64: the model benchmarks/multihost.py trains)")
     nd.add_argument("--data", default=None, help="time hvrep's input pipeline on this folder (default: synthetic)")
     nd.add_argument("--max-bytes", type=int, default=None, help="largest all-reduce (default 256 MB; --quick 1 MB)")
     nd.add_argument("--quick", action="store_true", help="a few sizes and repeats: seconds, for tests")

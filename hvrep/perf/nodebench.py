@@ -92,7 +92,7 @@ def fit_link(points: Sequence[dict[str, float]], ranks: int) -> dict[str, float]
 
 def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, image_size: int = 32,
                  quick: bool = False, data_dir: str | None = None, max_bytes: int | None = None,
-                 steps: int | None = None) -> dict[str, Any]:
+                 steps: int | None = None, width: int | None = None) -> dict[str, Any]:
     """Measures this node on every rank (run under the launcher); returns the profile (the same on every rank)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -165,8 +165,11 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
     num_classes = 1000 if model_name == "resnet50" else 10
     keras.utils.set_random_seed(0)
     with repl.scope():
-        model = (models.resnet50 if model_name == "resnet50" else models.small_resnet)(
-            num_classes, (image_size, image_size, 3))
+        if model_name == "resnet50":
+            model = models.resnet50(num_classes, (image_size, image_size, 3))
+        else:  # width None: small_resnet's own default
+            model = models.small_resnet(num_classes, (image_size, image_size, 3),
+                                        **({} if width is None else {"width": width}))
         opt = keras.optimizers.SGD(0.01, momentum=0.9)
         opt.build(model.trainable_variables)
     rng = np.random.default_rng(placement.rank)
@@ -270,7 +273,7 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
         "allreduce": {"backend": backend, "dtype": "float32", "op": "sum", "points": points, "fit": link,
                       "result_checked": checked,
                       "nccl": "built to Horovod's API, never run by hvrep's tests" if backend == "nccl" else None},
-        "model": {"name": model_name, "per_replica_batch": per_replica_batch, "image_size": image_size,
+        "model": {"name": model_name, "width": width, "per_replica_batch": per_replica_batch, "image_size": image_size,
                   "grad_bytes": grad_bytes, "tensors": len(shapes), "steps_timed": steps},
         "step": timed, "step_spread_s": {name: [min(ts), max(ts)] for name, ts in times.items()},
         "input": {"source": source, "images_per_sec_per_rank": per_rank, "images_per_sec_node": node_ips},
@@ -325,8 +328,12 @@ def main(args: Any) -> int:
     if args.per_replica_batch < 1 or args.image_size < 8:
         raise ConfigError(f"--per-replica-batch must be >= 1 and --image-size >= 8, got {args.per_replica_batch} "
                           f"and {args.image_size}.")
+    width = getattr(args, "width", None)
+    if width is not None and (width < 1 or args.model != "small_resnet"):
+        raise ConfigError(f"--width {width} applies to --model small_resnet only and must be >= 1. Fix: drop it, "
+                          "or use --model small_resnet.")
     profile = node_profile(args.model, args.per_replica_batch, args.image_size, quick=args.quick,
-                           data_dir=args.data, max_bytes=args.max_bytes)
+                           data_dir=args.data, max_bytes=args.max_bytes, width=width)
     import hvrep
 
     if hvrep.resolve_placement().rank == 0:
