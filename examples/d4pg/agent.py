@@ -17,6 +17,7 @@ obs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -127,9 +128,12 @@ class D4PG:
             self.opt_policy, self.opt_critic = self._optimizer(cfg.lr_policy), self._optimizer(cfg.lr_critic)
             self.opt_policy.build(self.policy.trainable_variables)
             self.opt_critic.build(self.critic.trainable_variables)
-        # Only read inside the step, updated after it: plain variables of this process.
-        self.target_policy = _mlp(obs_dim, cfg.hidden, act_dim, "target_policy")
-        self.target_critic = _mlp(obs_dim + act_dim, cfg.hidden, cfg.atoms, "target_critic")
+        # Updated after the online networks: inside the replicated step with one replica per process (so built in
+        # its scope, where the step's variables belong: Horovod's starts them equal on every rank), else plain
+        # variables of this process, updated outside the step.
+        with repl.scope() if self.local_replicas == 1 else contextlib.nullcontext():
+            self.target_policy = _mlp(obs_dim, cfg.hidden, act_dim, "target_policy")
+            self.target_critic = _mlp(obs_dim + act_dim, cfg.hidden, cfg.atoms, "target_critic")
         self.target_policy.trainable = self.target_critic.trainable = False  # no gradient ever reaches them
         self._copy_targets()
 
