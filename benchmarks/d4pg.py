@@ -4,6 +4,7 @@ with the same total actors; learner steps/s scaling; and ``--stall``: one rank's
     python benchmarks/d4pg.py --ranks 1 2 --actors 2 --steps 6000 --out results/d4pg.jsonl --plot docs/img/d4pg.png
     python benchmarks/d4pg.py --stall --out results/d4pg.jsonl          # 2 ranks; SIGSTOP rank 0's actors 10 s
     python benchmarks/d4pg.py --learner-only --rounds 3 --out results/d4pg.jsonl   # learners alone, 1 vs 2 ranks
+    python benchmarks/d4pg.py --learner-only --env HOROVOD_CYCLE_TIME=0.1        # the same, Horovod's cycle 0.1 ms
 
 Each run is ``examples.d4pg.train`` (1 rank: one process; 2: ``horovodrun --gloo``) in a fresh folder, one run at a
 time. JSON lines: ``curve`` (one per evaluation: ranks, learner step, seconds since the run's start, the mean
@@ -17,8 +18,11 @@ at the start and end of each run.
 before TensorFlow starts): a replay filled once with random transitions of the environment's shape (the learner's
 cost does not depend on their values), no actors; ``--learner-steps`` timed steps after 20 untimed ones. Contenders,
 one launch each per round, in turn: 1 rank (one process), 2 ranks under ``mpirun``, 2 ranks under
-``horovodrun --gloo``. ``learner`` lines (steps/s and transitions/s of the slowest rank) and ``learner_scaling``
-lines (2 ranks' transitions/s over the same round's 1 rank).
+``horovodrun --gloo``. ``learner`` lines (steps/s and transitions/s of the slowest rank; per learner step, the
+most CPU time and voluntary context switches of a rank: on a loaded machine, the work a step does and how often it
+waits, which the load moves less than the rates) and ``learner_scaling`` lines (2 ranks' transitions/s over the
+same round's 1 rank). ``--env KEY=VALUE`` sets a variable in every launch (e.g. ``HOROVOD_CYCLE_TIME=0.1``; the
+launcher's own variables are otherwise dropped).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -204,22 +209,29 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
     rows[:, obs_dim + act_dim + 1] = cfg.agent.gamma ** cfg.n_step  # the discount column
     per_step = cfg.per_replica_batch * agent.local_replicas
 
-    def run(n: int, first: int) -> float:
+    def run(n: int, first: int) -> np.ndarray:
+        """(steps/s, CPU ms per step, voluntary context switches per step) of this process."""
         repl.reduce(np.zeros(()), "sum")  # a barrier
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         outs = [agent.train_step(rows[rng.integers(0, len(rows), per_step)], first + i) for i in range(n)]
         repl.reduce(outs[-1], "mean")  # waits for the last step
-        return n / (time.perf_counter() - t0)
+        seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+        return np.asarray([n / seconds, 1e3 * cpu / n, (r1.ru_nvcsw - r0.ru_nvcsw) / n])
 
     run(20, 1)
-    rate = run(steps, 21)
-    slowest = float(repl.reduce(np.asarray(-rate), "max")) * -1.0  # the slowest rank's steps/s
+    mine = run(steps, 21)
+    # The slowest rank's steps/s; the most CPU and context switches per step of a rank.
+    worst = np.asarray(repl.reduce(mine * np.asarray([-1.0, 1.0, 1.0]), "max"), np.float64)
+    slowest = -float(worst[0])
     if repl.rank == 0:
         print(LEARNER_PREFIX + json.dumps({"ranks": repl.num_processes, "backend": repl.backend,
                                            "steps_per_sec": round(slowest, 2), "per_replica_batch":
                                            cfg.per_replica_batch,
                                            "transitions_per_sec": round(slowest * cfg.per_replica_batch
-                                                                        * repl.num_replicas, 1)}), flush=True)
+                                                                        * repl.num_replicas, 1),
+                                           "cpu_ms_per_step": round(float(worst[1]), 3),
+                                           "voluntary_switches_per_step": round(float(worst[2]), 2)}), flush=True)
     repl.close()
     return 0
 
@@ -234,11 +246,12 @@ def _learner_command(contender: str, steps: int, settings: list[str]) -> list[st
     return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *me]
 
 
-def learner_only(rounds: int, steps: int, settings: list[str], timeout: float) -> list[dict[str, Any]]:
+def learner_only(rounds: int, steps: int, settings: list[str], timeout: float,
+                 extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """``rounds`` rounds of the three contenders in turn; a ``learner`` line per launch, ``learner_scaling``
-    per round and 2-rank launcher."""
+    per round and 2-rank launcher. ``extra_env``: variables set in every launch."""
     env = {**_env(), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})}
     records: list[dict[str, Any]] = []
     for r in range(rounds):
         got: dict[str, dict[str, Any]] = {}
@@ -249,14 +262,15 @@ def learner_only(rounds: int, steps: int, settings: list[str], timeout: float) -
             found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for x in proc.stdout.splitlines()
                      if LEARNER_PREFIX in x]
             rec = {"kind": "learner", "round": r, "contender": contender, "rc": proc.returncode,
-                   "learner_steps": steps, "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                   "learner_steps": steps, "env": extra_env or {},
+                   "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
                    **(found[0] if found else {"tail": (proc.stdout + proc.stderr)[-2000:]})}
             records.append(rec)
             got[contender] = rec
         one = got["1 rank"].get("transitions_per_sec")
         for contender in LEARNER_CONTENDERS[1:]:
             two = got[contender].get("transitions_per_sec")
-            records.append({"kind": "learner_scaling", "round": r, "contender": contender,
+            records.append({"kind": "learner_scaling", "round": r, "contender": contender, "env": extra_env or {},
                             "transitions_per_sec_2_over_1": round(two / one, 3) if one and two else None})
     return records
 
@@ -277,6 +291,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="with --learner-only: rounds of the contenders (default 3)")
     p.add_argument("--learner-steps", type=int, default=300,
                    help="with --learner-only: timed learner steps per launch (default 300)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --learner-only: a variable for every launch (repeatable), e.g. HOROVOD_CYCLE_TIME=0.1")
     p.add_argument("--learner-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("settings", nargs="*", help="extra key=value settings for examples.d4pg.train")
     args = p.parse_args()
@@ -284,7 +300,11 @@ def main() -> int:
         return _learner_worker(args.learner_steps, args.settings)
     records: list[dict[str, Any]] = []
     if args.learner_only:
-        records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout)
+        bad = [e for e in args.env if not e.partition("=")[0] or "=" not in e]
+        if bad:
+            p.error(f"--env takes KEY=VALUE, got {bad[0]!r}; e.g. --env HOROVOD_CYCLE_TIME=0.1")
+        extra_env = dict(e.split("=", 1) for e in args.env)
+        records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout, extra_env)
     elif args.stall:
         # A replay of 4000 rows per rank (16 s of one actor's 250 steps/s): with its actors running, its samples'
         # age stays level, so the stall's rise shows (the default 200,000 rows grow older all run long).

@@ -1,6 +1,7 @@
 """benchmarks/d4pg.py --learner-only: one round of its three contenders (1 rank, 2 ranks under mpirun, 2 under
 horovodrun --gloo), each learning from a replay filled once with no actors; the lines' schema and the ratio
-computed from the same round's launches. No timing bounds: the figures are docs/performance.md's."""
+computed from the same round's launches; ``--env`` reaches every launch's record; per-step CPU time and
+context switches. No timing bounds: the figures are docs/performance.md's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.multirank]
 def test_learner_only_round(tmp_path):
     out = tmp_path / "d4pg.jsonl"
     cmd = [sys.executable, str(harness.ROOT / "benchmarks" / "d4pg.py"), "--learner-only", "--rounds", "1",
-           "--learner-steps", "5", "--out", str(out)]
+           "--learner-steps", "5", "--env", "HOROVOD_CYCLE_TIME=0.1", "--out", str(out)]
     rc = harness.run_logged(cmd, tmp_path / "log", timeout=420)
     assert rc == 0, (tmp_path / "log").read_text()[-4000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -29,6 +30,9 @@ def test_learner_only_round(tmp_path):
         assert r["backend"] == ("local" if name == "1 rank" else "horovod")
         assert r["transitions_per_sec"] == pytest.approx(r["steps_per_sec"] * r["per_replica_batch"] * r["ranks"],
                                                          rel=1e-3)
+        assert r["env"] == {"HOROVOD_CYCLE_TIME": "0.1"}, r
+        # A learner step computes: its CPU time is > 0 (how much is load-dependent: no bound).
+        assert r["cpu_ms_per_step"] > 0 and r["voluntary_switches_per_step"] >= 0, r
     one = learners["1 rank"]["transitions_per_sec"]
     for r in (r for r in lines if r["kind"] == "learner_scaling"):
         two = learners[r["contender"]]["transitions_per_sec"]
