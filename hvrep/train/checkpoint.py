@@ -43,6 +43,7 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.errors import CheckpointError, ConfigError
+from hvrep.train import faultpoint
 
 METADATA_FILE = "checkpoint.json"
 _PREFIX = "ckpt"  # tf.train.Checkpoint file prefix inside each folder
@@ -274,6 +275,8 @@ class CheckpointManager:
             found = self._scan()
             record = {**user, "step": step, "time": time.time(), "sequence": found[-1][0] + 1 if found else 0}
             self._write(tmp, record)
+            if faultpoint.ARMED:
+                faultpoint.reached("ckpt.before_rename", where=tmp)
             self._install(tmp, final, step)
         except (OSError, tf.errors.OpError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -376,7 +379,12 @@ class CheckpointManager:
 
     def _write(self, tmp: Path, record: dict[str, Any]) -> None:
         tmp.mkdir()
+        if faultpoint.ARMED:  # the fault campaign's points (benchmarks/faults.py); False otherwise
+            faultpoint.reached("ckpt.before_data", where=tmp)
         self._checkpoint.write(str(tmp / _PREFIX))
+        if faultpoint.ARMED:
+            faultpoint.reached("ckpt.data", where=tmp, data_file=tmp / f"{_PREFIX}.data-00000-of-00001")
+            faultpoint.reached("ckpt.before_metadata", where=tmp)
         with open(tmp / METADATA_FILE, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2, sort_keys=True)
             f.write("\n")
