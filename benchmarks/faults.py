@@ -87,25 +87,29 @@ def main(argv: list[str] | None = None) -> int:
     common = {"benchmark": BENCHMARK, "run_id": rid, "host": os.uname().nodename, "cpus": os.cpu_count(),
               "command": " ".join(["python", "benchmarks/faults.py", *(argv if argv is not None else sys.argv[1:])])}
     total = bad = 0
+    # Kinds take turns (one injection of each, then the next round), so a campaign cut short still covers each.
+    planned = {k.name: injections(k, args.checkpoint_injections if k.name.startswith("ckpt_") else args.per_kind,
+                                  launchers, args.seed) for k in kinds}
+    turns = [(kind, i, plan[i]) for i in range(max(map(len, planned.values()), default=0))
+             for kind in kinds if i < len(plan := planned[kind.name])]
     try:
-        for kind in kinds:
-            count = args.checkpoint_injections if kind.name.startswith("ckpt_") else args.per_kind
-            for i, inj in enumerate(injections(kind, count, launchers, args.seed)):
-                load = os.getloadavg()[0]
-                t0 = time.monotonic()
-                try:
-                    outcome = kind.run(inj, scratch / f"{kind.name}-{i}")
-                except Exception as e:  # an injection that breaks the harness is reported, not fatal
-                    outcome = Outcome(False, 0, 0.0, [f"the injection failed: {type(e).__name__}: {e}"], None, None)
-                record = {**common, **dataclasses.asdict(inj), **dataclasses.asdict(outcome), "ok": is_ok(outcome),
-                          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                          "load_1min": round(load, 2), "seconds": round(time.monotonic() - t0, 1)}
-                append_jsonl(args.out, [record])
-                total += 1
-                bad += not record["ok"]
-                print(f"{kind.name} {i + 1}/{count} {inj.point} {inj.launcher}: "
-                      f"{'ok' if record['ok'] else 'NOT OK'} {outcome.detail} {outcome.lost or ''}", flush=True)
-                shutil.rmtree(scratch / f"{kind.name}-{i}", ignore_errors=True)
+        for kind, i, inj in turns:
+            count = len(planned[kind.name])
+            load = os.getloadavg()[0]
+            t0 = time.monotonic()
+            try:
+                outcome = kind.run(inj, scratch / f"{kind.name}-{i}")
+            except Exception as e:  # an injection that breaks the harness is reported, not fatal
+                outcome = Outcome(False, 0, 0.0, [f"the injection failed: {type(e).__name__}: {e}"], None, None)
+            record = {**common, **dataclasses.asdict(inj), **dataclasses.asdict(outcome), "ok": is_ok(outcome),
+                      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                      "load_1min": round(load, 2), "seconds": round(time.monotonic() - t0, 1)}
+            append_jsonl(args.out, [record])
+            total += 1
+            bad += not record["ok"]
+            print(f"{kind.name} {i + 1}/{count} {inj.point} {inj.launcher}: "
+                  f"{'ok' if record['ok'] else 'NOT OK'} {outcome.detail} {outcome.lost or ''}", flush=True)
+            shutil.rmtree(scratch / f"{kind.name}-{i}", ignore_errors=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)
