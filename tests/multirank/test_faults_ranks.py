@@ -23,7 +23,8 @@ import pytest
 
 from benchmarks._faults import training
 
-pytestmark = pytest.mark.multirank
+# The fixture runs 7 launches (3 at a time); on a loaded 2-core machine they take longer than the default 600 s.
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(1500)]
 
 LAUNCHERS = ("mpirun", "gloo")
 KILLED = {"mpirun": 137, "gloo": 1}  # what each launcher exits with when a rank dies of SIGKILL
