@@ -129,9 +129,9 @@ def test_the_resume_names_each_damaged_checkpoint_and_ends_as_an_uninterrupted_r
     final = json.loads(stage["lines"][-1])
     assert final["event"] == "final" and final["stopped"] == "completed", final
     # Resumed from step 5 (the newest intact checkpoint): its first train line is step 6.
+    # (The torn fragment is among the lines after the kill: skipped, as every reader skips it.)
     after = stage["lines"][len(chain["between_kill"]["lines"]):]
-    first = next(json.loads(line) for line in after if '"event": "train"' in line)
-    assert first["step"] == 6, first
+    assert training._first_step(after) == 6, after[:3]
     want, got = chain["want"], chain["got"]
     assert want and set(got) == set(want)
     for name, value in want.items():
