@@ -24,6 +24,9 @@ HVREP_KERNELS_DIR = "HVREP_KERNELS_DIR"  # where kernels/build.py put them (defa
 # 127.0.0.1 on a one-host job, else the address of the interface Horovod's transport uses).
 HVREP_WATCHDOG_PORT = "HVREP_WATCHDOG_PORT"
 HVREP_WATCHDOG_ADDR = "HVREP_WATCHDOG_ADDR"
+# A test hook of the fault campaign (benchmarks/faults.py, hvrep.train.faultpoint): a fault to inject at a named
+# point, "<action>:<point>[@<n>][+<bytes>][/<rank>]". Unset (always, outside tests): nothing is injected.
+HVREP_FAULT = "HVREP_FAULT"
 
 # Open MPI (mpirun; horovodrun with MPI).
 OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"
@@ -197,6 +200,20 @@ def watchdog_ports() -> tuple[int, int]:
                           f"{raw!r}. Fix: unset it for an ephemeral port, or export a port range the firewall opens "
                           "between the nodes (a range lets several jobs share a node).")
     return int(first), int(last)
+
+
+def fault_spec() -> str:
+    """HVREP_FAULT (hvrep.train.faultpoint), stripped; "" when unset."""
+    return os.environ.get(HVREP_FAULT, "").strip()
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its launcher set it (Open MPI, horovodrun, PMI, Slurm), or None outside a job."""
+    for name in (OMPI_COMM_WORLD_RANK, HOROVOD_RANK, PMI_RANK, SLURM_PROCID):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def watchdog_addr() -> str:

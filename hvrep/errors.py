@@ -91,4 +91,8 @@ EXIT_HANG = ExitCode(75, "hang", "timeout", "hvrep's watchdog: a collective wait
                      "stopped, dead, or stuck elsewhere); transient (EX_TEMPFAIL)", True)
 EXIT_INTERRUPTED = ExitCode(130, "interrupted", None, "`hvrep train` got Ctrl-C before training started, or a "
                             "second Ctrl-C: nothing new was saved (the shell's 128 + SIGINT)", False)
-EXIT_CODES: tuple[ExitCode, ...] = (EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH, EXIT_HANG, EXIT_INTERRUPTED)
+EXIT_NO_SPACE = ExitCode(74, "no_space", None, "`hvrep train` could not write its output (a checkpoint or "
+                         "metrics.jsonl): the output file system is full (ENOSPC) or over quota (EDQUOT); the "
+                         "checkpoints completed before are intact (EX_IOERR)", False)
+EXIT_CODES: tuple[ExitCode, ...] = (EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH, EXIT_NO_SPACE, EXIT_HANG,
+                                    EXIT_INTERRUPTED)

@@ -37,6 +37,8 @@ LONGEST_FIRST = (
     "tests/unit/train/test_odd_batch_train.py",  # issue 48: 8 hvrep train processes, ~2 min
     "tests/slurm/test_slurm_multinode.py",
     "tests/multirank/test_dead_and_stopped_ranks.py",
+    "tests/multirank/test_faults_ranks.py",  # issue 49: 7 two-rank launches, 3 at a time (new, not timed)
+    "tests/unit/train/test_faults_training.py",  # issue 49: 5 hvrep train runs in a row (new, not timed)
     "tests/unit/train/test_train_stop.py",
     "tests/multirank/test_elastic.py",
     "tests/multirank/test_usage_error_under_horovodrun.py",  # issue 47: two horovodrun launches, ~80 s

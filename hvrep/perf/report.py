@@ -38,7 +38,8 @@ Lines of ``benchmarks/multihost.py`` (``"benchmark": "multihost"``; its
 
 Lines of ``benchmarks/slow_links.py`` (``"benchmark": "slow_links"``: accuracy against wall time per scheme,
 link rate and seed) go to ``slow-links.md``, with one plot per link rate (``hvrep.perf.slowlinks``).
-Lines of ``benchmarks/step_overhead.py`` go to ``step-overhead.md`` (``hvrep.perf.stepoverhead``).
+Lines of ``benchmarks/step_overhead.py`` go to ``step-overhead.md`` (``hvrep.perf.stepoverhead``), and those of
+``benchmarks/faults.py`` to ``faults.md`` (``hvrep.perf.faults``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from typing import Any
 
 from hvrep.errors import ConfigError, DataError, HvrepError
 from hvrep.perf import costmodel
+from hvrep.perf.faults import FAULTS, load_faults, render_faults
 from hvrep.perf.slowlinks import SLOW_LINKS, load_slow_links, render_slow_links
 from hvrep.perf.stepoverhead import STEP_OVERHEAD, load_step_overhead, render_step_overhead
 from hvrep.perf.summary import throughput
@@ -64,7 +66,7 @@ _METRICS = "metrics.jsonl"
 _THROUGHPUT_PNG, _EFFICIENCY_PNG, _BREAKDOWN_PNG = "throughput.png", "efficiency.png", "breakdown.png"
 MULTIHOST = "multihost"  # benchmarks/multihost.py's lines
 # Benchmarks whose lines get a page of their own, not the scaling table.
-_OWN_PAGES = (MULTIHOST, SLOW_LINKS, STEP_OVERHEAD)
+_OWN_PAGES = (MULTIHOST, SLOW_LINKS, STEP_OVERHEAD, FAULTS)
 _MULTIHOST_MD, _MULTIHOST_PNG = "multihost.md", "multihost.png"
 _MIB = 1024 * 1024
 _NOT_RECORDED = "not recorded"
@@ -868,7 +870,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         multihost = load_multihost(args.results)
         slow = load_slow_links(args.results)
         small = load_step_overhead(args.results)
-        runs = load_results(args.results, allow_empty=bool(multihost or slow or small))
+        faults = load_faults(args.results)
+        runs = load_results(args.results, allow_empty=bool(multihost or slow or small or faults))
+        if faults:
+            print(f"hvrep report: {len(faults)} fault injection(s). Wrote {render_faults(faults, args.out)}")
         if small:
             print(f"hvrep report: {len(small)} step-overhead line(s). Wrote {render_step_overhead(small, args.out)}")
         if multihost:

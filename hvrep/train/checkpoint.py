@@ -43,6 +43,7 @@ from typing import Any
 import tensorflow as tf
 
 from hvrep.errors import CheckpointError, ConfigError
+from hvrep.train import faultpoint
 
 METADATA_FILE = "checkpoint.json"
 _PREFIX = "ckpt"  # tf.train.Checkpoint file prefix inside each folder
@@ -235,12 +236,31 @@ class CheckpointManager:
           (folder or None when none is intact, [(damaged folder, why)] newest first).
         """
         skipped: list[tuple[Path, str]] = []
+        unlisted = self._unreadable_metadata()
         for folder in reversed(self.all()):
             why = damage(folder)
             if why is None:
-                return folder, skipped
+                step = int(_FINAL.fullmatch(folder.name).group(1)) if _FINAL.fullmatch(folder.name) else -1
+                return folder, [*sorted(((f, w) for f, w, s in unlisted if s > step), reverse=True), *skipped]
             skipped.append((folder, why))
-        return None, skipped
+        return None, [*sorted(((f, w) for f, w, _ in unlisted), reverse=True), *skipped]
+
+    def _unreadable_metadata(self) -> list[tuple[Path, str, int]]:
+        """Published folders (a final name only ever appears by a rename of a complete one) whose checkpoint.json
+        no longer reads: damaged after they were published. ``all()`` cannot order them (their save order is in
+        that file), so a resume names those with a higher step than the one it takes, instead of passing over
+        them in silence."""
+        try:
+            entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
+        except OSError:
+            return []
+        found = []
+        for entry in entries:
+            match = _FINAL.fullmatch(entry.name)
+            folder = Path(entry.path)
+            if match and (folder / f"{_PREFIX}.index").is_file() and _load(folder) is None:
+                found.append((folder, f"its {METADATA_FILE} cannot be read (torn or damaged)", int(match.group(1))))
+        return found
 
     def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> Path | None:
         """Writes a checkpoint to ``directory/ckpt-<step:08d>`` (chief only).
@@ -274,6 +294,8 @@ class CheckpointManager:
             found = self._scan()
             record = {**user, "step": step, "time": time.time(), "sequence": found[-1][0] + 1 if found else 0}
             self._write(tmp, record)
+            if faultpoint.ARMED:
+                faultpoint.reached("ckpt.before_rename", where=self.directory)
             self._install(tmp, final, step)
         except (OSError, tf.errors.OpError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -376,7 +398,12 @@ class CheckpointManager:
 
     def _write(self, tmp: Path, record: dict[str, Any]) -> None:
         tmp.mkdir()
+        if faultpoint.ARMED:  # the fault campaign's points (benchmarks/faults.py); False otherwise
+            faultpoint.reached("ckpt.before_data", where=self.directory)
         self._checkpoint.write(str(tmp / _PREFIX))
+        if faultpoint.ARMED:
+            faultpoint.reached("ckpt.data", where=self.directory, data_file=tmp / f"{_PREFIX}.data-00000-of-00001")
+            faultpoint.reached("ckpt.before_metadata", where=self.directory)
         with open(tmp / METADATA_FILE, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2, sort_keys=True)
             f.write("\n")

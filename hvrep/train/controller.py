@@ -40,7 +40,7 @@ import tensorflow as tf
 from hvrep.data import EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
 from hvrep.errors import DataError
 from hvrep.replica import watchdog
-from hvrep.train import crash
+from hvrep.train import crash, faultpoint
 from hvrep.train.checkpoint import CheckpointManager
 from hvrep.train.config import RunConfig
 from hvrep.train.metrics import MetricsWriter
@@ -199,6 +199,8 @@ class Controller:
         lp.segments = lp.at.segments(n, gb, lp.segment_steps)
         # Agree on stopping (a signal may have reached only some ranks) in the reduce of the totals: one
         # collective, where StopRequest.agreed would add a second per loop.
+        if faultpoint.ARMED:  # the fault campaign's points (benchmarks/faults.py); False otherwise
+            faultpoint.reached("step.collective")
         flags = repl.reduce({"stop": tf.constant(int(stop.requested)), "totals": self.runner.totals()}, "sum")
         self.runner.reset_totals()
         lp.loss_sum += float(flags["totals"][0]) / n
@@ -215,6 +217,8 @@ class Controller:
             self._save(lp.epoch, lp.segments, lp.train_examples)
         if self.elastic is not None and self.elastic.due(lp.step):
             self.elastic.commit(lp.step, lp.epoch, lp.position + lp.steps_done, lp.segments)
+        if faultpoint.ARMED:
+            faultpoint.reached("step.between")
         if int(flags["stop"]) > 0:
             return "signal"
         if cfg.train.max_steps and lp.step >= cfg.train.max_steps:

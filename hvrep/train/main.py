@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvrep.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HvrepError
+from hvrep.errors import EXIT_INTERRUPTED, EXIT_NO_SPACE, EXIT_OK, EXIT_USAGE, HvrepError
 from hvrep.replica import cores
 from hvrep.train import config as configs
 from hvrep.train import mlperf, rundir
@@ -40,6 +41,24 @@ from hvrep.train import mlperf, rundir
 # Exit codes of `hvrep train`: hvrep.errors.EXIT_CODES (docs/troubleshooting.md, "Exit codes"). A run stopped by
 # SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) has saved where it stands and exits 0 like a finished one: its last line and
 # metrics.jsonl's `final` event (stopped="signal") say so.
+
+
+_NO_SPACE_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def _no_space(err: BaseException) -> bool:
+    """Whether ``err`` or an error it was raised from is a full file system (ENOSPC) or quota (EDQUOT):
+    TensorFlow's save ops carry it in their message only."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if type(cause).__module__.startswith("tensorflow") and any(t in str(cause) for t in _NO_SPACE_TEXTS):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _model(cfg: configs.RunConfig) -> Any:
@@ -321,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hvrep train", description="Train a ResNet on every rank.",
         epilog="Exit codes: 0 finished, or stopped by SIGTERM/SIGUSR1/Ctrl-C after saving (continue with --resume); "
-               "2 a setting, data set or output folder to fix (the message says how); 75 a collective timed out "
+               "2 a setting, data set or output folder to fix (the message says how); 74 the output file system is "
+               "full (free space, then --resume); 75 a collective timed out "
                "(comm.timeout_s). Under horovodrun, Ctrl-C may end in horovodrun's own exit code 1 after hvrep's "
                "ranks saved (docs/training-app.md, 'Stopping a run with Ctrl-C').")
     parser.add_argument("--config", default="resnet50_imagenet",
@@ -349,8 +369,17 @@ def main(argv: list[str] | None = None) -> int:
 
             import_tensorflow_quietly()
         run(cfg, resume=args.resume, overwrite=args.overwrite)
-    except HvrepError as e:
-        if args.debug:
+    except (HvrepError, OSError) as e:
+        # A full output file system is neither a setting to fix nor transient: its own code, which
+        # slurm/preemptible.sbatch does not requeue (a requeue would fill it again); free space, then --resume.
+        if _no_space(e):
+            if args.debug:
+                raise
+            print(f"hvrep train: error: the output file system is full: {e} (exit {EXIT_NO_SPACE.code}: free "
+                  "space, then continue with --resume; the checkpoints completed before are intact)",
+                  file=sys.stderr)
+            return EXIT_NO_SPACE.code
+        if args.debug or not isinstance(e, HvrepError):
             raise
         print(f"hvrep train: error: {e}", file=sys.stderr)
         return EXIT_USAGE.code

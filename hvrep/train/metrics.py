@@ -138,8 +138,15 @@ class MetricsWriter:
         self._file = None
         self._tb = None
         self._listeners = tuple(listeners) if enabled else ()
+        self._fault = None
         if enabled:
             import tensorflow as tf
+
+            # Imported here, not at the top: slurm/env.sh loads this file by its path, without the hvrep package.
+            from hvrep.train import faultpoint
+
+            if faultpoint.ARMED:  # the fault campaign's point (benchmarks/faults.py); None otherwise
+                self._fault = faultpoint.reached
 
             output_dir.mkdir(parents=True, exist_ok=True)
             _end_torn_line(output_dir / "metrics.jsonl")
@@ -151,6 +158,8 @@ class MetricsWriter:
         if not self.enabled or self._file is None:
             return
         record = {"event": event, "time": time.time(), **({"step": step} if step is not None else {}), **values}
+        if self._fault is not None:
+            self._fault("metrics.write", where=Path(self._file.name).parent)
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
         self._tell(event, step, values)
