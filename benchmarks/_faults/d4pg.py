@@ -126,6 +126,8 @@ class D4pg:
                 lost.append("the run did not end within 300 s of the fault: a hang")
         if code is not None and code < 0:  # one process, killed: as a shell (and mpirun) reports it
             code = 128 - code
+        # An actor ends by the kernel's SIGKILL when its learner dies: asynchronous, so given a little time.
+        _kit.wait_for(lambda: not any(_alive(v) for v in victims), 15)
         ended = [v.pid for v in victims if _alive(v)]
         if ended:
             lost.append(f"actor(s) {ended} outlived the run")
@@ -154,8 +156,14 @@ class D4pg:
         before = _kit.lines(out)
         newest = max(_kit.checkpoints(out), default=0)
         t0 = time.monotonic()
-        rcode = _kit.run(_argv(inj.launcher, out, resume=True), workdir / "resume.log", tag, timeout=400)
-        recover_s = time.monotonic() - t0
+        trained = sum(e["event"] == "train" for e in _kit.events(out))
+        with _kit.launched(_argv(inj.launcher, out, resume=True), workdir / "resume.log", tag) as proc:
+            _kit.wait_for(lambda: sum(e["event"] == "train" for e in _kit.events(out)) > trained, 400, proc)
+            recover_s = time.monotonic() - t0  # to the resumed run's first train line
+            try:
+                rcode = proc.wait(timeout=400)
+            except subprocess.TimeoutExpired:
+                rcode = None
         rtext = _kit.tail(workdir / "resume.log", 400_000)
         lost += [f"left behind: {p}" for p in _kit.gone_within(tag, 20)]
         for name in dead:
