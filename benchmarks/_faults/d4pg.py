@@ -5,7 +5,7 @@ rank ("local") or 2 (mpirun, horovodrun).
 Points, each at a learner step S (the chief's ``train`` lines come every 25 steps):
 - ``actor_killed:actor=I:step=S``: SIGKILL of rank 0's actor I. Expected: the learner restarts it (an
   ``actor_restart`` event), the run ends at its last step, exit 0.
-- ``actors_stopped:step=S``: SIGSTOP of every actor of rank 0. Expected: after ``actor_timeout_s`` (3 s here)
+- ``actors_stopped:step=S``: SIGSTOP of every actor of rank 0. Expected: after ``actor_timeout_s`` (5 s here)
   without a row the learner ends and restarts them, the run ends at its last step, exit 0 (before: the learner
   waited for ever).
 - ``learner_killed:step=S:stopped_actor=I`` (I = -1: none): actor I is stopped, then rank 0's learner SIGKILLed.
@@ -39,7 +39,7 @@ def _argv(launcher: str, out: Path, resume: bool = False) -> list[str]:
     args = ["-m", "examples.d4pg.train", f"output_dir={out}", f"steps={STEPS}", "per_replica_batch=32",
             "agent.hidden=32,32", "actors_per_rank=2", "actor_steps_per_sec=150", "replay_size=600",
             "min_replay=150", "samples_per_insert=2", f"steps_per_loop={LOOP}", "eval_every=0", "eval_episodes=1",
-            f"checkpoint_every={EVERY}", "threads=1", "actor_timeout_s=3", *(["--resume"] if resume else [])]
+            f"checkpoint_every={EVERY}", "threads=1", "actor_timeout_s=5", *(["--resume"] if resume else [])]
     if launcher == "local":
         return [sys.executable, *args]
     return _kit.harness.two_ranks(launcher, args)

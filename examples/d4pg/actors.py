@@ -28,6 +28,7 @@ from examples.d4pg.actor import ActorSpec
 from hvrep import _env
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: `examples` must import in the actor
+STARTUP_S = 60.0  # restart_stalled's least wait for an actor's first row
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -45,8 +46,9 @@ class ActorPool:
         self.procs: list[subprocess.Popen | None] = [None] * len(specs)
         self._logs: list[IO[bytes] | None] = [None] * len(specs)
         self.restarts = [0] * len(specs)
-        # Per actor: (its progress counter when last seen to move, when), for restart_stalled; None: not yet seen.
-        self._moved: list[tuple[int, float] | None] = [None] * len(specs)
+        # Per actor: (its progress counter when last seen to move, when, whether it has moved since the actor
+        # started), for restart_stalled; None: not seen since it started.
+        self._moved: list[tuple[int, float, bool] | None] = [None] * len(specs)
         # An actor's parent-death signal follows the thread that started it: only the thread that made the pool
         # (the learner's main thread, which lives as long as the learner) starts actors.
         self._thread = threading.current_thread()
@@ -91,14 +93,17 @@ class ActorPool:
     def restart_stalled(self, progress: Sequence[int], timeout_s: float) -> list[dict[str, Any]]:
         """Ends (continued first, then SIGKILL) and restarts every actor whose ``progress`` (its rows inserted) has
         not moved for ``timeout_s`` seconds of this pool's checks; one event per restart, as ``check``'s, with
-        ``stalled_s``. ``timeout_s`` 0: never."""
+        ``stalled_s``. ``timeout_s`` 0: never. An actor that has not inserted yet since it started gets at least
+        ``STARTUP_S``: starting one (an interpreter, NumPy, gymnasium) took over 3 s on a loaded 2-core machine,
+        and a short ``timeout_s`` restarted every new actor before its first row, for ever."""
         now, events = time.monotonic(), []
         for i, proc in enumerate(self.procs):
             value, seen = int(progress[i]), self._moved[i]
             if seen is None or seen[0] != value:
-                self._moved[i] = (value, now)
+                self._moved[i] = (value, now, seen is not None)
                 continue
-            if timeout_s <= 0 or proc is None or proc.poll() is not None or now - seen[1] < timeout_s:
+            limit = timeout_s if seen[2] else max(timeout_s, STARTUP_S)
+            if timeout_s <= 0 or proc is None or proc.poll() is not None or now - seen[1] < limit:
                 continue
             proc.send_signal(signal.SIGCONT)  # a stopped process takes SIGKILL too; continued, it leaves no doubt
             proc.kill()
