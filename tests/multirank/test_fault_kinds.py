@@ -65,6 +65,8 @@ def outcome(tmp_path_factory) -> Iterator[Callable[[str], object]]:
         yield get
 
 
+# The first test waits for the first 3 injections (a SIGSTOP one: 3 launches of 2 ranks and the timeout).
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(INJECTIONS))
 def test_nothing_is_lost(outcome, name):
     got = outcome(name)
