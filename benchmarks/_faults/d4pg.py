@@ -97,7 +97,7 @@ class D4pg:
         with _kit.launched(_argv(inj.launcher, out), log, tag) as proc:
             pid_file = out / "actors" / "rank0.pids"
             ready = _kit.wait_for(lambda: _kit.train_steps(out) >= fields["step"] and pid_file.is_file()
-                                  and len(_learners(proc)) == (1 if inj.launcher == "local" else 2), 300, proc)
+                                  and len(_learners(proc)) == (1 if inj.launcher == "local" else 2), 480, proc)
             if not ready:
                 return Outcome(False, 0, 0.0, [f"never reached {inj.point} ({proc.poll()}): {_kit.tail(log)}"],
                                proc.poll(), expected)
