@@ -39,11 +39,30 @@ def env(tag: str, **extra: str) -> dict[str, str]:
     return {**harness.clean_env(), TAG: tag, **extra}
 
 
+# Launcher names: benchmarks/faults.py's ("none" for a kind without ranks, "mpirun", "gloo") and this folder's
+# _try.py's ("local", "mpirun", "horovodrun").
+ONE_PROCESS = ("none", "local")
+
+
+def one_process(launcher: str) -> bool:
+    return launcher in ONE_PROCESS
+
+
+def horovodrun(launcher: str) -> bool:
+    """``horovodrun --gloo``, which exits 1 whenever a rank fails (docs/troubleshooting.md, "Exit codes")."""
+    return launcher in ("gloo", "horovodrun")
+
+
+def python_argv(launcher: str, args: list[str]) -> list[str]:
+    """``python args``: one process, or 2 ranks under mpirun or horovodrun --gloo."""
+    if one_process(launcher):
+        return [sys.executable, *args]
+    return harness.two_ranks("horovodrun" if horovodrun(launcher) else "mpirun", args)
+
+
 def train_argv(launcher: str, args: list[str]) -> list[str]:
-    """``hvrep train args``: one process ("local"), or 2 ranks under "mpirun" / "horovodrun" (--gloo)."""
-    if launcher == "local":
-        return [sys.executable, "-m", "hvrep.cli", "train", *args]
-    return harness.train_command(launcher, args)
+    """``hvrep train args`` (:func:`python_argv`)."""
+    return python_argv(launcher, ["-m", "hvrep.cli", "train", *args])
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("module")
     p.add_argument("kind")
-    p.add_argument("launcher", choices=["local", "mpirun", "horovodrun"])
+    p.add_argument("launcher", choices=["local", "none", "mpirun", "horovodrun", "gloo"])
     p.add_argument("n", type=int)
     p.add_argument("first_seed", type=int)
     p.add_argument("prefix", nargs="?", default="", help="only points that start with this")

@@ -1,6 +1,6 @@
 """The D4PG app (examples/d4pg) under faults: a small Pendulum run (2 actors a rank capped at 150 environment
 steps per second, a rate limiter of 2 samples per inserted row, so the learner waits for its actors), on one
-rank ("local") or 2 (mpirun, horovodrun).
+rank ("none" or "local") or 2 ("mpirun", "gloo" or "horovodrun": horovodrun --gloo).
 
 Points, each at a learner step S (the chief's ``train`` lines come every 25 steps):
 - ``actor_killed:actor=I:step=S``: SIGKILL of rank 0's actor I. Expected: the learner restarts it (an
@@ -22,7 +22,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,9 +39,7 @@ def _argv(launcher: str, out: Path, resume: bool = False) -> list[str]:
             "agent.hidden=32,32", "actors_per_rank=2", "actor_steps_per_sec=150", "replay_size=600",
             "min_replay=150", "samples_per_insert=2", f"steps_per_loop={LOOP}", "eval_every=0", "eval_episodes=1",
             f"checkpoint_every={EVERY}", "threads=1", "actor_timeout_s=5", *(["--resume"] if resume else [])]
-    if launcher == "local":
-        return [sys.executable, *args]
-    return _kit.harness.two_ranks(launcher, args)
+    return _kit.python_argv(launcher, args)
 
 
 def _learners(proc: subprocess.Popen) -> dict[int, psutil.Process]:
@@ -74,11 +71,12 @@ def _ours(folders: set[str], pids: set[int]) -> list[str]:
 
 
 def _expected_kill_exit(launcher: str) -> int:
-    return 1 if launcher == "horovodrun" else 128 + signal.SIGKILL
+    return 1 if _kit.horovodrun(launcher) else 128 + signal.SIGKILL
 
 
 class D4pg:
     name = "d4pg"
+    launchers = ("none", "mpirun", "gloo")
 
     def points(self, rng: random.Random) -> list[str]:
         step = lambda: rng.randrange(2, 8) * LOOP  # noqa: E731
@@ -97,7 +95,7 @@ class D4pg:
         with _kit.launched(_argv(inj.launcher, out), log, tag) as proc:
             pid_file = out / "actors" / "rank0.pids"
             ready = _kit.wait_for(lambda: _kit.train_steps(out) >= fields["step"] and pid_file.is_file()
-                                  and len(_learners(proc)) == (1 if inj.launcher == "local" else 2), 480, proc)
+                                  and len(_learners(proc)) == (1 if _kit.one_process(inj.launcher) else 2), 480, proc)
             if not ready:
                 return Outcome(False, 0, 0.0, [f"never reached {inj.point} ({proc.poll()}): {_kit.tail(log)}"],
                                proc.poll(), expected)

@@ -39,11 +39,11 @@ def _args(data: Path, fmt: str, out: Path, on_error: str = "raise", steps: int =
 
 
 def _expected_error_exit(launcher: str) -> int:
-    return 1 if launcher == "horovodrun" else 2  # horovodrun exits 1 when a rank fails (troubleshooting.md)
+    return 1 if _kit.horovodrun(launcher) else 2  # horovodrun exits 1 when a rank fails (troubleshooting.md)
 
 
 def _ranks(launcher: str) -> int:
-    return 1 if launcher == "local" else 2
+    return 1 if _kit.one_process(launcher) else 2
 
 
 def _reference(workdir: Path, fmt: str, launcher: str) -> Path:
@@ -108,6 +108,7 @@ def _resume_and_compare(inj: Injection, data: Path, fmt: str, out: Path, log: Pa
 
 class CorruptJpeg:
     name = "corrupt_jpeg"
+    launchers = ("none", "mpirun", "gloo")  # one process, or 2 ranks
 
     def points(self, rng: random.Random) -> list[str]:
         return [f"{mode}:sample={rng.randrange(2 * BATCH, (STEPS - 1) * BATCH)}"
@@ -156,6 +157,7 @@ class CorruptJpeg:
 
 class TruncatedShard:
     name = "truncated_tfrecord"
+    launchers = ("none", "mpirun", "gloo")
 
     def points(self, rng: random.Random) -> list[str]:
         return [f"{mode}:shard={rng.randrange(4)}:record={rng.randrange(1, 300)}:at={rng.randrange(1, STEPS - 1)}"
