@@ -47,6 +47,9 @@ class AppConfig:
         DeprecationWarning (docs/large-batch.md#which-batch-which-learning-rate).
       actors_per_rank: actor processes per learner rank (None: max(1, the node's cores less its learner ranks,
         shared among them)).
+      actor_timeout_s: an actor that inserts nothing for this many seconds (stopped, or stuck in its environment)
+        is ended and restarted, as a dead one is (0: never). Below comm.timeout_s (600 s), so that a learner
+        waiting for its actors restarts them before the watchdog calls that wait a hang.
       actor_steps_per_sec: each actor's cap on environment steps per second (0: none). Actors that run flat out
         take the cores the learner needs; the cap does not make an actor wait for the learner.
       sigma: Gaussian exploration noise, a fraction of the action range's half-width.
@@ -70,6 +73,7 @@ class AppConfig:
     steps: int = 20000
     per_replica_batch: int = 256
     actors_per_rank: int | None = None
+    actor_timeout_s: float = 300.0
     actor_steps_per_sec: float = 250.0
     sigma: float = 0.2
     n_step: int = 5
@@ -102,10 +106,10 @@ class AppConfig:
 
 
 _RANGES = {"steps": "[1, inf)", "per_replica_batch": "[1, inf)", "actors_per_rank": "[1, inf)",
-           "actor_steps_per_sec": "[0, inf)", "sigma": "[0, inf)", "n_step": "[1, inf)", "replay_size": "[2, inf)",
-           "samples_per_insert": "[0, inf)", "publish_every": "[1, inf)", "steps_per_loop": "[1, inf)",
-           "eval_every": "[0, inf)", "eval_episodes": "[1, inf)", "checkpoint_every": "[0, inf)", "seed": "[0, inf)",
-           "threads": "[1, inf)"}
+           "actor_timeout_s": "[0, inf)", "actor_steps_per_sec": "[0, inf)", "sigma": "[0, inf)", "n_step": "[1, inf)",
+           "replay_size": "[2, inf)", "samples_per_insert": "[0, inf)", "publish_every": "[1, inf)",
+           "steps_per_loop": "[1, inf)", "eval_every": "[0, inf)", "eval_episodes": "[1, inf)",
+           "checkpoint_every": "[0, inf)", "seed": "[0, inf)", "threads": "[1, inf)"}
 
 # Settings renamed so that a batch says whether it is global or per replica: old name -> new name (same meaning).
 RENAMED = {"batch": "per_replica_batch"}
@@ -217,11 +221,14 @@ class _App:
         os.replace(tmp, self._pid_file)
 
     def _check_actors(self) -> None:
-        for event in self.pool.check():
+        stalled = self.pool.restart_stalled(np.array(self.replay.counters[:, 0]), self.cfg.actor_timeout_s)
+        for event in [*self.pool.check(), *stalled]:
             self.restarts += 1
-            print(f"d4pg: rank {self.repl.rank}: actor {event['actor']} (pid {event['old_pid']}) exited with code "
-                  f"{event['exit_code']}; restarted as pid {event['new_pid']}. Its log: {event['log']}",
-                  file=sys.stderr, flush=True)
+            why = (f"inserted nothing for {event['stalled_s']:.0f} s (actor_timeout_s={self.cfg.actor_timeout_s:g}: "
+                   "stopped or stuck); ended it and" if "stalled_s" in event else
+                   f"exited with code {event['exit_code']};")
+            print(f"d4pg: rank {self.repl.rank}: actor {event['actor']} (pid {event['old_pid']}) {why} restarted as "
+                  f"pid {event['new_pid']}. Its log: {event['log']}", file=sys.stderr, flush=True)
             self._write_pids()
 
     def _wait_for_data(self) -> float:

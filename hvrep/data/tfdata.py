@@ -84,6 +84,9 @@ def _jpeg_ok(data: tf.Tensor) -> tf.Tensor:
 # names the file or record); tfdata_errors turns it into one DataError.
 _BAD_JPEG = "hvrep: corrupt or truncated JPEG (no start/end marker):"
 _BAD_JPEG_RE = re.compile(re.escape(_BAD_JPEG) + r"\]?\s*\[?([^\]\n]*)")
+# A DataError raised inside the pipeline (read_records in a tf.numpy_function: a shard cut short or rewritten
+# after the run listed it) reaches the caller as a TensorFlow error with the DataError's text in its message.
+_DATA_ERROR_RE = re.compile(r"DataError: ([^\n]+)")
 
 
 @contextlib.contextmanager
@@ -91,14 +94,18 @@ def tfdata_errors(config: DataConfig, split: str) -> Iterator[None]:
     """Turns the pipeline's failed JPEG check, wherever TensorFlow raises it, into one ``DataError``.
 
     Raises:
-      hvrep.errors.DataError: an image of ``split`` is corrupt (with ``data.on_error=raise``).
+      hvrep.errors.DataError: an image of ``split`` is corrupt (with ``data.on_error=raise``), or a TFRecord
+        shard no longer matches its index (cut short or rewritten after the run listed it; any ``on_error``).
     """
     try:
         yield
     except tf.errors.OpError as e:
         found = _BAD_JPEG_RE.search(str(e))
         if found is None:
-            raise
+            inside = _DATA_ERROR_RE.search(str(e))
+            if inside is None:
+                raise
+            raise DataError(f"{inside.group(1).strip()} (data.data_dir={config.data_dir}, {split})") from e
         where = found.group(1).strip()
         what = "the file" if config.format == "folder" else "the record's source image and rerun `hvrep data prepare`"
         raise DataError(

@@ -83,6 +83,39 @@ def test_a_killed_actor_is_restarted_and_its_ring_fills_on(tmp_path: Path) -> No
     assert all(p.poll() is not None for p in pool.procs)
 
 
+def test_a_stopped_actor_is_ended_and_restarted_after_actor_timeout_s_and_the_other_is_left_alone(
+        tmp_path: Path) -> None:
+    # Every actor stopped with a rate limiter (or on one rank) left the learner waiting for ever (issue 49).
+    replay, _, specs = _setup(tmp_path, actors=2)
+    pool = ActorPool(specs, tmp_path / "logs", "rank0")
+    try:
+        pool.start()
+        early: list[dict] = []
+        # The learner polls from the start: actors that take longer than actor_timeout_s to start (an interpreter,
+        # NumPy, gymnasium) are not restarted before their first row.
+        assert _wait(lambda: bool(early.extend(pool.restart_stalled(np.array(replay.counters[:, 0]), 1.0)))
+                     or (replay.counters[0, 0] > 100 and replay.counters[1, 0] > 100))
+        assert early == []
+        victim, other = pool.procs[0].pid, pool.procs[1].pid
+        old = pool.procs[0]
+        os.kill(victim, signal.SIGSTOP)
+        events: list[dict] = []
+        stopped_at = time.monotonic()
+        # The learner's checks, as it polls while it waits for data; actor 1 keeps inserting.
+        assert _wait(lambda: bool(events.extend(pool.restart_stalled(np.array(replay.counters[:, 0]), 1.0))
+                                  or events), timeout=30)
+        assert time.monotonic() - stopped_at >= 1.0
+        assert [(e["actor"], e["old_pid"], e["exit_code"]) for e in events] == [(0, victim, -signal.SIGKILL)]
+        assert events[0]["stalled_s"] >= 1.0 and old.poll() is not None  # the stopped one is gone, not left stopped
+        assert pool.procs[0].pid != victim and pool.procs[1].pid == other and pool.procs[1].poll() is None
+        before = int(replay.counters[0, 0])
+        assert _wait(lambda: replay.counters[0, 0] > before + 100)  # the new actor writes on in the same ring
+        assert pool.restart_stalled(np.array(replay.counters[:, 0]), 0.0) == []  # 0: never
+    finally:
+        pool.close()
+    assert all(p.poll() is not None for p in pool.procs)
+
+
 def test_actors_start_without_the_launchers_job_variables(tmp_path: Path, monkeypatch) -> None:
     from hvrep import _env
 

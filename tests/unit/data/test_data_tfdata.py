@@ -157,6 +157,27 @@ def test_truncated_shard_or_foreign_index_is_caught(data, tmp_path):
         make_dataset(DataConfig(str(tmp_path / "t"), format="tfrecord"), "train", batch_size=4)
 
 
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_shard_cut_short_mid_epoch_is_one_data_error_naming_it(data, tmp_path, on_error):
+    # Listed whole when the epoch was built, cut short before its records are read (a file system losing the
+    # file's tail mid-run): before, TensorFlow's UnknownError and a traceback, exit 1 in `hvrep train`.
+    from hvrep.data import data_errors
+
+    root, _ = data
+    shutil.copytree(root / "tfrecord", tmp_path / "t")
+    config = DataConfig(str(tmp_path / "t"), format="tfrecord", image_size=16, resize_size=20, on_error=on_error)
+    ds = make_dataset(config, "train", batch_size=8)
+    shards = sorted((tmp_path / "t").glob("train-*"))
+    for shard in shards:
+        shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(DataError) as e, data_errors(config, "train"):
+        for _ in ds:
+            pass
+    message = str(e.value)
+    assert any(str(s) in message for s in shards) and "does not match its index entry" in message, message
+    assert "hvrep data prepare" in message and "Traceback" not in message and len(message.splitlines()) == 1
+
+
 def test_config_typos_are_refused_with_the_choices():
     with pytest.raises(ConfigError, match="layout must be one of"):
         DataConfig("x", layout="NWHC")
