@@ -1,0 +1,46 @@
+"""hvrep's own reductions skip Horovod's fusion window; a user's own all-reduces keep it (flush_probe.py).
+
+Under each launcher, two launches side by side: ``HOROVOD_CYCLE_TIME`` of 10 minutes, where hvrep's all-reduce,
+``wrap_optimizer`` and PowerSGD steps finish (the launch's timeout is 4 minutes) only if nothing of hvrep's waits
+the window; and the user's two ``hvd.allreduce`` in one step, which still come out of one fused response.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.multirank import harness
+
+PROBE = str(Path(__file__).with_name("flush_probe.py"))
+pytestmark = [pytest.mark.multirank]
+
+VARIANTS = {"flush": {"FLUSH_PROBE_MODE": "flush", "HOROVOD_CYCLE_TIME": "600000"},
+            "fusion": {"FLUSH_PROBE_MODE": "fusion", "HOROVOD_CYCLE_TIME": "100"}}
+
+
+@pytest.fixture(scope="module", params=["mpirun", "horovodrun"])
+def probe(request, tmp_path_factory) -> dict[str, dict[int, dict]]:
+    tmp = tmp_path_factory.mktemp(f"horovod-flush-{request.param}")
+    runs = harness.side_by_side_runs(harness.two_ranks(request.param, [PROBE]), VARIANTS, tmp, "FLUSH_PROBE",
+                                     timeout=240)
+    got = {variant: {r["rank"]: r for r in lines} for variant, lines in runs.items()}
+    for variant, lines in got.items():
+        assert sorted(lines) == [0, 1], (variant, runs)
+    return got
+
+
+def test_hvrep_reductions_do_not_wait_the_fusion_window(probe):
+    for rank, r in probe["flush"].items():
+        assert r["cycle_time_ms"] == "600000", r
+        assert r["all_reduce"] == [3.0, 30.0], (rank, r)  # 1 + 2; 10 + 20
+        assert r["wrap_optimizer"] == [-1.5] * 5, (rank, r)  # lr 1 times the mean of 1 and 2
+        assert r["powersgd_error"] <= 1e-5, (rank, r)
+
+
+def test_a_users_own_allreduces_still_fuse(probe):
+    for rank, r in probe["fusion"].items():
+        assert r["user_sums"] == [3.0, 5.0], (rank, r)
+        assert r["fused"] and all("user_a" in n or "user_b" in n for n in r["fused"]), (rank, r)
+        assert any("user_a" in n for n in r["fused"]) and any("user_b" in n for n in r["fused"]), (rank, r)
