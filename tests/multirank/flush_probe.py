@@ -1,16 +1,17 @@
 """hvrep's own reductions skip Horovod's fusion window; a user's own all-reduces keep it (run by test_horovod_flush.py).
 
-``FLUSH_PROBE_MODE=flush``, run with ``HOROVOD_CYCLE_TIME`` of minutes: a step of ``hvrep.all_reduce``, a
-``wrap_optimizer`` step and two PowerSGD steps, each of which, were it to wait Horovod's fusion window, would
-wait minutes (hvrep's build ends the window when one of hvrep's pre-fused reductions is enqueued:
-hvrep/compat/horovod_patches.py, FLUSH_PATCHES). Their results are exact: the sum, the mean applied, PowerSGD's
-numpy simulation.
+``FLUSH_PROBE_MODE=flush``, run with a ``HOROVOD_CYCLE_TIME`` of seconds: a step of ``hvrep.all_reduce``, a
+``wrap_optimizer`` step and two PowerSGD steps, exact (the sum, the mean applied, PowerSGD's numpy simulation);
+the second call of the first two (traced already: only the step's own all-reduce goes to Horovod) is timed. Were
+it to wait Horovod's fusion window it would take the cycle time; hvrep's build ends the window when one of
+hvrep's pre-fused reductions is enqueued (hvrep/compat/horovod_patches.py, FLUSH_PATCHES). The Replicator's own
+eager collectives (its set-up, the first call's checks) do wait it: an eager op's name does not reach Horovod.
 
 ``FLUSH_PROBE_MODE=fusion``: two of the user's own ``hvd.allreduce`` in one ``tf.function``, enqueued together,
 with Horovod's timeline started at run time: the tensors Horovod fused into one response are those with a
 ``MEMCPY_IN_FUSION_BUFFER`` span. Each rank prints one JSON line.
 
-    HOROVOD_CYCLE_TIME=600000 FLUSH_PROBE_MODE=flush horovodrun -np 2 -H localhost:2 --gloo \
+    HOROVOD_CYCLE_TIME=4000 FLUSH_PROBE_MODE=flush horovodrun -np 2 -H localhost:2 --gloo \
         python tests/multirank/flush_probe.py
 """
 
@@ -35,8 +36,15 @@ out: dict = {"rank": rank, "mode": mode, "cycle_time_ms": os.environ.get("HOROVO
 t0 = time.perf_counter()
 if mode == "flush":
     xs = [tf.constant(np.full(4096, 1.0 + rank, np.float32)), tf.constant(np.full(7, 10.0 * (rank + 1), np.float32))]
-    sums = repl.run(lambda v: hvrep.all_reduce(v, "sum"), args=(xs,))
+
+    def all_reduce_step(v):
+        return hvrep.all_reduce(v, "sum")
+
+    repl.run(all_reduce_step, args=(xs,))  # traced, checked
+    t1 = time.perf_counter()
+    sums = repl.run(all_reduce_step, args=(xs,))
     out["all_reduce"] = sorted({float(x) for s in sums for x in np.asarray(s)})
+    out["all_reduce_s"] = time.perf_counter() - t1
     with repl.scope():
         var = keras.Variable(np.zeros(5, np.float32))
         opt = repl.wrap_optimizer(keras.optimizers.SGD(learning_rate=1.0))
@@ -45,8 +53,12 @@ if mode == "flush":
         opt.apply_gradients([(g, var)])
         return tf.constant(0.0)
 
-    repl.run(apply, args=(tf.constant(np.full(5, 1.0 + rank, np.float32)),))
-    out["wrap_optimizer"] = np.asarray(var.numpy()).tolist()  # -mean(1, 2) = -1.5
+    g = tf.constant(np.full(5, 1.0 + rank, np.float32))
+    repl.run(apply, args=(g,))
+    t1 = time.perf_counter()
+    repl.run(apply, args=(g,))
+    out["wrap_optimizer_s"] = time.perf_counter() - t1
+    out["wrap_optimizer"] = np.asarray(var.numpy()).tolist()  # twice -mean(1, 2) = -3
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests import powersgd_sim as sim
 

@@ -390,10 +390,9 @@ class HorovodBackend(Backend):
 
     def _name(self, kind: str) -> str:
         # Eager Horovod ops need names that match across ranks: every rank
-        # makes the same eager calls in the same order. Each is one call waited for: the flush marker (see
-        # _reduce_wire) spares it the fusion window.
+        # makes the same eager calls in the same order.
         self._eager_names += 1
-        return f"hvrep.{kind}.{self._eager_names}.{horovod_patches.FLUSH_NAME}"
+        return f"hvrep.{kind}.{self._eager_names}"
 
     # --- scope: variables start identical -------------------------------------------------
 
