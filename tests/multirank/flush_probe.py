@@ -18,7 +18,6 @@ with Horovod's timeline started at run time: the tensors Horovod fused into one 
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,22 +66,26 @@ if mode == "flush":
     out["powersgd_error"] = sim.max_error([g[0] for g in got], sim.simulate(grads, 2))
 else:
     hvd = compat.import_horovod()
-    with tempfile.TemporaryDirectory(prefix="flush-probe-") as tmp:
-        path = Path(tmp) / "timeline.json"
-        hvd.start_timeline(str(path), mark_cycles=False)
+    # Rank 0 writes Horovod's timeline (HOROVOD_TIMELINE=DYNAMIC: started and stopped here); the path must be
+    # the same on every rank.
+    path = Path(os.environ["FLUSH_PROBE_DIR"]) / "timeline.json"
+    hvd.start_timeline(str(path), mark_cycles=False)
 
-        @tf.function
-        def user_step(a, b):
-            return (hvd.allreduce(a, op=hvd.Sum, name="user_a"), hvd.allreduce(b, op=hvd.Sum, name="user_b"))
+    @tf.function
+    def user_step(a, b):
+        return (hvd.allreduce(a, op=hvd.Sum, name="user_a"), hvd.allreduce(b, op=hvd.Sum, name="user_b"))
 
-        a, b = user_step(tf.constant([1.0 + rank] * 3), tf.constant([2.0 + rank] * 5))
-        out["user_sums"] = [float(a[0]), float(b[0])]
-        hvd.stop_timeline()
+    a, b = user_step(tf.constant([1.0 + rank] * 3), tf.constant([2.0 + rank] * 5))
+    out["user_sums"] = [float(a[0]), float(b[0])]
+    hvd.stop_timeline()
+    if rank == 0:
         text = path.read_text().strip().rstrip(",")
         events = json.loads(text if text.endswith("]") else text + "]")
-    # The timeline names each tensor's row in a metadata event; activities refer to the row by its tid/pid.
-    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    fused = {rows.get(e.get("pid"), "?") for e in events if e.get("name") == "MEMCPY_IN_FUSION_BUFFER"}
-    out["fused"] = sorted(n for n in fused if "user_" in n)
+        # The timeline names each tensor's row in a metadata event; its activities refer to the row by pid.
+        rows = {e["pid"]: e.get("args", {}).get("name", "?") for e in events
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+        fused = {rows.get(e.get("pid"), "?") for e in events if e.get("name") == "MEMCPY_IN_FUSION_BUFFER"}
+        out["fused"] = sorted(n for n in fused if "user_" in n)
+        out["activities"] = sorted({e.get("name", "?") for e in events if e.get("ph") == "B"})
 out["seconds"] = round(time.perf_counter() - t0, 2)
 print("FLUSH_PROBE " + json.dumps(out), flush=True)
