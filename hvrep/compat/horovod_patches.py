@@ -27,13 +27,14 @@ would hold every cycle of theirs up), with dynamic process sets, while Horovod's
 **hvrep's own reductions skip the fusion window** (``FLUSH_PATCHES``). Horovod waits one ``HOROVOD_CYCLE_TIME``
 (1 ms) after a cycle starts before the next reads its queue, so that tensors enqueued close together fuse into
 one collective; a woken thread too waits a cycle from the first tensor. hvrep fuses its reductions itself (its
-buckets: ``hvrep.all_reduce``, ``wrap_optimizer``'s gradients, PowerSGD's P and Q, local SGD's averaging), so for them the window is only latency: at 16 KB under
-``mpirun`` it was 1-2 ms of a 1.4-2.4 ms all-reduce (docs/performance.md, "Small steps"). Their ops carry
-``FLUSH_NAME`` in their name (in a traced step: an eager op's name does not reach Horovod's C++, which sees the
-op type, so hvrep's eager collectives keep the window); enqueueing one (with ``HVREP_HOROVOD_FLUSH`` unset or not ``0``, read at each such
-enqueue, so a benchmark can switch it between steps) ends the wait of a thread that sleeps out the window, or
-has just been woken: the cycle starts at once. Tensors without the marker (a user's own ``hvd.allreduce``)
-keep the window: they fuse as before, unless a marked tensor cuts the window they are waiting in short.
+buckets: ``hvrep.all_reduce``, ``wrap_optimizer``'s gradients, PowerSGD's P and Q, local SGD's averaging), so for
+them the window is only latency: at 16 KB under ``mpirun`` it was 1-2 ms of a 1.4-2.4 ms all-reduce
+(docs/performance.md, "Small steps"). Their ops carry ``FLUSH_NAME`` in their name (in a traced step: an eager
+op's name does not reach Horovod's C++, which sees the op type, so hvrep's eager collectives keep the window);
+enqueueing one (with ``HVREP_HOROVOD_FLUSH`` unset or not ``0``, read at each such enqueue, so a benchmark can
+switch it between steps) ends the wait of a thread that sleeps out the window, or has just been woken: the
+cycle starts at once. Tensors without the marker (a user's own ``hvd.allreduce``) keep the window: they fuse as
+before, unless a marked tensor cuts the window they are waiting in short.
 Why this is safe: the protocol is unchanged, only when a rank starts its next cycle. Every cycle is a
 collective of all ranks, so a rank that starts early waits in it for the others; tensors a rank has not yet
 enqueued are negotiated in a later cycle, as they are when they miss a window. A peer that has its tensor
