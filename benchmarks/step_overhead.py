@@ -22,9 +22,13 @@ Gloo's own benchmark was not at hand; a floor that cannot run is a ``floor`` lin
 Every contender runs round-robin: one sample of each per round, a sample being ``--inner`` back-to-back calls
 after a barrier, divided by ``--inner``; a round's sample is the slowest rank's. The cost of an entry point in a
 round is its with-sample minus its without-sample of that round; the lines hold every round's samples, so the
-cost can be recomputed. ``--breakdown`` (default on; off with ``--quick``) adds the 16 KB, 1-tensor
-``all_reduce`` case re-run under variants (``HOROVOD_CYCLE_TIME=0.1``, ``HVREP_HOROVOD_IDLE_WAIT_MS=0``, and
-``HOROVOD_TIMELINE``, whose activities are summed per step): ``kind: "breakdown"`` lines.
+cost can be recomputed. ``--flush-off`` (default on; off with ``--quick``) adds, in the same rounds, each
+entry point's with-step run with ``HVREP_HOROVOD_FLUSH=0`` (hvrep's reductions wait Horovod's fusion window, as
+before hvrep's build ended it for them: hvrep/compat/horovod_patches.py), set around its samples only: cost lines
+of ``variant: "flush_off"``, against the same without-step. ``--breakdown`` (default on; off with ``--quick``)
+adds the 16 KB, 1-tensor ``all_reduce`` case re-run under variants (``HOROVOD_CYCLE_TIME=0.1``,
+``HVREP_HOROVOD_IDLE_WAIT_MS=0``, ``CommConfig(timeout_s=0)``: no watchdog markers, and ``HOROVOD_TIMELINE``,
+whose activities are summed per step): ``kind: "breakdown"`` lines.
 
 JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
 without_us, cost_us, cost_median_us, cost_p10_us, cost_p90_us), ``floor`` (launcher, floor, bytes, us,
@@ -56,7 +60,10 @@ TENSORS = (1, 50)
 ENTRIES = ("all_reduce", "wrap_optimizer")
 LAUNCHERS = ("mpirun", "horovodrun")
 # The variants of the breakdown: the extra environment of each launch of the 16 KB case.
-VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"}}
+# "watchdog_off": CommConfig(timeout_s=0), so no collective in the step is wrapped in the hang watchdog's two
+# tf.py_function markers (hvrep/replica/watchdog.py).
+VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"},
+            "watchdog_off": {}}
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
 
 
@@ -147,7 +154,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     import hvrep
 
-    repl = hvrep.Replicator("horovod")
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(timeout_s=0) if args.variant == "watchdog_off" else None)
     rank, size = repl.rank, repl.num_replicas
     mpi = None
     if args.launcher == "mpirun":
@@ -169,7 +176,7 @@ def _worker(args: argparse.Namespace) -> int:
     def barrier() -> None:
         repl.reduce(np.zeros((), np.float32), "sum")
 
-    contenders: dict[tuple, Any] = {}  # (entry, G, n, "with"|"without") or ("floor", G) -> a call
+    contenders: dict[tuple, Any] = {}  # (entry, G, n, "with"|"with_flush_off"|"without") or ("floor", G) -> a call
     for nbytes in args.sizes:
         for n in TENSORS:
             if args.variant != "default" and (nbytes, n) != (16 << 10, 1):
@@ -188,6 +195,8 @@ def _worker(args: argparse.Namespace) -> int:
 
             contenders[("all_reduce", nbytes, n, "with")] = lambda f=with_ar, v=xs: repl.run(f, args=(v,))
             contenders[("all_reduce", nbytes, n, "without")] = lambda f=without_ar, v=xs: repl.run(f, args=(v,))
+            if args.flush_off:
+                contenders[("all_reduce", nbytes, n, "with_flush_off")] = contenders[("all_reduce", nbytes, n, "with")]
             if args.variant == "default":
                 with repl.scope():
                     variables = [keras.Variable(np.zeros(k, np.float32)) for k in each]
@@ -196,6 +205,9 @@ def _worker(args: argparse.Namespace) -> int:
                 for opt, which in ((wrapped, "with"), (plain, "without")):
                     apply = _apply_step(opt, variables, f"{scope}_{which}")
                     contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
+                if args.flush_off:
+                    contenders[("wrap_optimizer", nbytes, n, "with_flush_off")] = contenders[
+                        ("wrap_optimizer", nbytes, n, "with")]
         if args.variant == "default" and (mpi is not None or gloo is not None):
             if mpi is not None:
                 send = np.full(nbytes // 4, 1.0 + rank, np.float32)
@@ -209,11 +221,18 @@ def _worker(args: argparse.Namespace) -> int:
         barrier()
         if isinstance(call, int):  # the Gloo floor times itself in its child, after a barrier of its own
             return gloo.sample(call, args.inner)
-        t0 = time.perf_counter()
-        for _ in range(args.inner):
-            out = call()
-        tf.nest.flatten(out)[0].numpy() if out is not None else None
-        return (time.perf_counter() - t0) / args.inner * 1e6
+        flush_off = key[-1] == "with_flush_off"
+        if flush_off:  # read by hvrep's Horovod at each enqueue of hvrep's reductions
+            os.environ["HVREP_HOROVOD_FLUSH"] = "0"
+        try:
+            t0 = time.perf_counter()
+            for _ in range(args.inner):
+                out = call()
+            tf.nest.flatten(out)[0].numpy() if out is not None else None
+            return (time.perf_counter() - t0) / args.inner * 1e6
+        finally:
+            if flush_off:
+                os.environ.pop("HVREP_HOROVOD_FLUSH", None)
 
     keys = list(contenders)
     for key in keys:  # warm-up: traces, negotiates, fills Horovod's response cache
@@ -239,10 +258,12 @@ def _worker(args: argparse.Namespace) -> int:
             records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
                             "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
                             "median_us": round(float(np.median(us)), 2)})
-        elif key[3] == "with":
+        elif key[3] in ("with", "with_flush_off"):
             w, wo = col[key], col[(*key[:3], "without")]
             cost = [round(a - b, 2) for a, b in zip(w, wo, strict=True)]
-            records.append({**base, "kind": "cost", "entry": key[0], "bytes": key[1], "tensors": key[2],
+            variant = "flush_off" if key[3] == "with_flush_off" else args.variant
+            records.append({**base, "variant": variant, "kind": "cost", "entry": key[0], "bytes": key[1],
+                            "tensors": key[2],
                             "with_us": w, "without_us": wo, "cost_us": cost,
                             "cost_median_us": round(float(np.median(cost)), 2),
                             "cost_p10_us": round(float(np.percentile(cost, 10)), 2),
@@ -283,7 +304,8 @@ def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argpar
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         worker = ["--variant", variant, "--run-id", run_id, "--rounds", str(args.rounds), "--inner", str(args.inner),
                   "--warmup", str(args.warmup), "--store", f"{tmp}/torch-store",
-                  "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes)]
+                  "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes),
+                  "--flush-off" if args.flush_off and variant == "default" else "--no-flush-off"]
         proc = subprocess.run(_launch_command(launcher, worker), env=_env(extra), cwd=ROOT, capture_output=True,
                               text=True, timeout=args.timeout)
         records = [json.loads(line.split(PREFIX, 1)[1]) for line in proc.stdout.splitlines() if PREFIX in line]
@@ -334,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=None,
                    help="add the 16 KB variants and the timeline (default: on, off with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke test: 16 KB and 256 KB, 3 rounds of 3 calls")
+    p.add_argument("--flush-off", action=argparse.BooleanOptionalAction, default=None,
+                   help="add each with-step with HVREP_HOROVOD_FLUSH=0, alternating (default: on, off with --quick)")
     p.add_argument("--out", type=Path, default=Path("results/step_overhead.jsonl"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch (default 900)")
     p.add_argument("--torch-python", type=Path, default=TORCH_PYTHON,
@@ -352,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.inner, args.warmup = 3, 3, 1
         args.sizes = args.sizes or list(QUICK_SIZES)
     args.sizes = args.sizes or list(SIZES)
+    if args.flush_off is None:
+        args.flush_off = not args.quick
     if args.worker:
         return _worker(args)
     breakdown = (not args.quick) if args.breakdown is None else args.breakdown

@@ -1,4 +1,5 @@
-"""The one change hvrep makes to Horovod 0.28.1's C++: its background thread waits for work instead of cycling.
+"""hvrep's changes to Horovod 0.28.1's C++: the background thread waits for work instead of cycling, hvrep's own
+reductions skip the fusion window, and a lone all-reduce runs in its input's buffer.
 
 Horovod's background thread runs a cycle every ``HOROVOD_CYCLE_TIME`` (1 ms) for as long as Horovod is up, and
 every cycle is a collective among all ranks (a bitwise AND of the response cache's bits, then the negotiation),
@@ -22,6 +23,32 @@ coordinator's bookkeeping) waits at most that long. Not used (stock cycling) whi
 rank outside a busy set still meets its members in each cycle's collectives of the global set: waiting, it
 would hold every cycle of theirs up), with dynamic process sets, while Horovod's autotuner runs, or with
 ``HVREP_HOROVOD_IDLE_WAIT_MS=0``. ``hvd.shutdown()`` wakes the thread at once.
+
+**hvrep's own reductions skip the fusion window** (``FLUSH_PATCHES``). Horovod waits one ``HOROVOD_CYCLE_TIME``
+(1 ms) after a cycle starts before the next reads its queue, so that tensors enqueued close together fuse into
+one collective; a woken thread too waits a cycle from the first tensor. hvrep fuses its reductions itself (its
+buckets: ``hvrep.all_reduce``, ``wrap_optimizer``'s gradients, PowerSGD's P and Q, local SGD's averaging), so for
+them the window is only latency: at 16 KB under ``mpirun`` it was 1-2 ms of a 1.4-2.4 ms all-reduce
+(docs/performance.md, "Small steps"). Their ops carry ``FLUSH_NAME`` in their name (in a traced step: an eager
+op's name does not reach Horovod's C++, which sees the op type, so hvrep's eager collectives keep the window);
+enqueueing one (with ``HVREP_HOROVOD_FLUSH`` unset or not ``0``, read at each such enqueue, so a benchmark can
+switch it between steps) ends the wait of a thread that sleeps out the window, or has just been woken: the
+cycle starts at once. Tensors without the marker (a user's own ``hvd.allreduce``) keep the window: they fuse as
+before, unless a marked tensor cuts the window they are waiting in short.
+Why this is safe: the protocol is unchanged, only when a rank starts its next cycle. Every cycle is a
+collective of all ranks, so a rank that starts early waits in it for the others; tensors a rank has not yet
+enqueued are negotiated in a later cycle, as they are when they miss a window. A peer that has its tensor
+but sleeps out a window started before the tensor arrived is woken by its own marked enqueue, so two ranks
+enqueueing the same marked tensor meet in the next cycle; a rank whose marked tensor is still pending after a
+cycle (the peer was not ready) waits at most the usual window before the next. It applies with process sets,
+``hvd.join`` (a joined rank cycles as before; the others' marked tensors start their cycles) and elastic
+resets (the counters are per process and only compared, a new background thread starts from them) alike;
+not while Horovod's autotuner runs (it measures the window it sets). ``hvd.shutdown()`` ends the wait too.
+
+**A lone all-reduce runs in its input's buffer** (``FLUSH_PATCHES``): Horovod's TensorFlow op allocated a new
+output and reduced into it (MPI out of place, Gloo after copying the input into it); it now forwards its input's
+buffer as the output when TensorFlow says nothing else holds it (``forward_input_or_allocate_output``: an hvrep
+bucket made by a concat, not a variable), so MPI runs in place and Gloo skips its copy.
 
 Each patch replaces one exact piece of Horovod 0.28.1's source; a piece that is not there (another version) stops
 the build with a message instead of building something else. ``build_horovod`` hashes this file into the wheel's
@@ -152,10 +179,121 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
      "    horovod_global.background_thread.join();\n"),
 )
 
+# hvrep's own pre-fused reductions skip the fusion window (HVREP_HOROVOD_FLUSH), and a lone all-reduce runs in its
+# input's buffer. Applied after the pieces above: some replace text those put in.
+FLUSH_PATCHES: tuple[tuple[str, str, str], ...] = (
+    ("horovod/common/tensor_queue.h",
+     "void NotifyTensorEnqueued();\n",
+     "// `flush`: the tensor is one of hvrep's pre-fused reductions (HvrepFlushes): the cycle need not wait.\n"
+     "void NotifyTensorEnqueued(bool flush = false);\n"
+     "// Whether `tensor_name` names one of hvrep's pre-fused reductions (it holds \"HvrepFlush\") and\n"
+     "// HVREP_HOROVOD_FLUSH is not 0 (read at each such enqueue: a benchmark may switch it between steps).\n"
+     "bool HvrepFlushes(const std::string& tensor_name);\n"
+     "// The count of flushing tensors enqueued so far.\n"
+     "uint64_t FlushesEnqueued();\n"
+     "// Sleeps `duration`, or less: until the count of flushing tensors differs from `seen` or `shut_down` is set.\n"
+     "void SleepUnlessFlushed(uint64_t seen, std::chrono::steady_clock::duration duration,\n"
+     "                        const std::atomic_bool& shut_down);\n"),
+    ("horovod/common/tensor_queue.cc",
+     '#include <assert.h>\n#include <condition_variable>\n',
+     '#include <assert.h>\n#include <condition_variable>\n#include <cstdlib>\n#include <cstring>\n'),
+    ("horovod/common/tensor_queue.cc",
+     "  tensor_table_.emplace(e.tensor_name, std::move(e));\n  message_queue_.push(std::move(message));\n"
+     "  NotifyTensorEnqueued();\n",
+     "  const bool flush = HvrepFlushes(e.tensor_name);\n"
+     "  tensor_table_.emplace(e.tensor_name, std::move(e));\n  message_queue_.push(std::move(message));\n"
+     "  NotifyTensorEnqueued(flush);\n"),
+    ("horovod/common/tensor_queue.cc",
+     "  std::lock_guard<std::mutex> guard(mutex_);\n\n  for (std::size_t i = 0; i < entries.size(); ++i) {\n",
+     "  std::lock_guard<std::mutex> guard(mutex_);\n  bool flush = false; // hvrep\n\n"
+     "  for (std::size_t i = 0; i < entries.size(); ++i) {\n"),
+    ("horovod/common/tensor_queue.cc",
+     "    tensor_table_.emplace(entries[i].tensor_name, std::move(entries[i]));\n"
+     "    message_queue_.push(std::move(messages[i]));\n  }\n  NotifyTensorEnqueued();\n",
+     "    flush = flush || HvrepFlushes(entries[i].tensor_name);\n"
+     "    tensor_table_.emplace(entries[i].tensor_name, std::move(entries[i]));\n"
+     "    message_queue_.push(std::move(messages[i]));\n  }\n  NotifyTensorEnqueued(flush);\n"),
+    ("horovod/common/tensor_queue.cc",
+     "uint64_t hvrep_enqueued = 0; // guarded by hvrep_idle_mutex\n} // namespace\n\n"
+     "void NotifyTensorEnqueued() {\n  {\n    std::lock_guard<std::mutex> guard(hvrep_idle_mutex);\n"
+     "    ++hvrep_enqueued;\n  }\n",
+     "uint64_t hvrep_enqueued = 0; // guarded by hvrep_idle_mutex\n"
+     "uint64_t hvrep_flushes = 0; // guarded by hvrep_idle_mutex\n} // namespace\n\n"
+     "bool HvrepFlushes(const std::string& tensor_name) {\n"
+     "  if (tensor_name.find(\"HvrepFlush\") == std::string::npos) {\n"
+     "    return false;\n"
+     "  }\n"
+     "  const char* v = std::getenv(\"HVREP_HOROVOD_FLUSH\");\n"
+     "  return v == nullptr || std::strcmp(v, \"0\") != 0;\n"
+     "}\n\n"
+     "uint64_t FlushesEnqueued() {\n"
+     "  std::lock_guard<std::mutex> guard(hvrep_idle_mutex);\n"
+     "  return hvrep_flushes;\n"
+     "}\n\n"
+     "void SleepUnlessFlushed(uint64_t seen, std::chrono::steady_clock::duration duration,\n"
+     "                        const std::atomic_bool& shut_down) {\n"
+     "  std::unique_lock<std::mutex> lock(hvrep_idle_mutex);\n"
+     "  hvrep_idle_cv.wait_until(lock, std::chrono::steady_clock::now() + duration,\n"
+     "                           [&] { return hvrep_flushes != seen || shut_down.load(); });\n"
+     "}\n\n"
+     "void NotifyTensorEnqueued(bool flush) {\n  {\n    std::lock_guard<std::mutex> guard(hvrep_idle_mutex);\n"
+     "    ++hvrep_enqueued;\n    if (flush) {\n      ++hvrep_flushes;\n    }\n  }\n"),
+    ("horovod/common/operations.cc",
+     "bool RunLoopOnce(HorovodGlobalState& state) {\n  HvrepWaitWhileIdle(state);\n",
+     "// hvrep: the flushing tensors enqueued before the running cycle read its queues (background thread only).\n"
+     "static uint64_t hvrep_flushes_seen = 0;\n\n"
+     "bool RunLoopOnce(HorovodGlobalState& state) {\n  HvrepWaitWhileIdle(state);\n"),
+    ("horovod/common/operations.cc",
+     "  if (sleep_duration > std::chrono::steady_clock::duration::zero()) {\n"
+     "    std::this_thread::sleep_for(sleep_duration);\n  }\n"
+     "  state.last_cycle_start = std::chrono::steady_clock::now();\n",
+     "  if (sleep_duration > std::chrono::steady_clock::duration::zero()) {\n"
+     "    // hvrep: one of hvrep's pre-fused reductions (HvrepFlushes) enqueued since the last cycle began ends\n"
+     "    // the fusion window now; the autotuner measures the window as configured.\n"
+     "    if (state.parameter_manager.IsAutoTuning()) {\n"
+     "      std::this_thread::sleep_for(sleep_duration);\n"
+     "    } else {\n"
+     "      SleepUnlessFlushed(hvrep_flushes_seen, sleep_duration, state.shut_down);\n"
+     "    }\n  }\n"
+     "  state.last_cycle_start = std::chrono::steady_clock::now();\n"
+     "  hvrep_flushes_seen = FlushesEnqueued();\n"),
+    # Horovod's TF all-reduce allocated a new output and reduced into it: MPI out of place (its own copy inside),
+    # Gloo after a memcpy of the input. The output now takes the input's buffer when nothing else holds it (TF
+    # decides: a fused bucket from a concat, nobody's variable), and Gloo skips the copy onto itself.
+    ("horovod/tensorflow/mpi_ops.cc",
+     "    auto device = GetDeviceID(context);\n    auto tensor = context->input(0);\n"
+     "    horovod::common::ReduceOp reduce_op = static_cast<horovod::common::ReduceOp>(reduce_op_);\n"
+     "    Tensor* output;\n    OP_REQUIRES_OK_ASYNC(\n"
+     "        context, context->allocate_output(0, tensor.shape(), &output), done);\n",
+     "    auto device = GetDeviceID(context);\n"
+     "    horovod::common::ReduceOp reduce_op = static_cast<horovod::common::ReduceOp>(reduce_op_);\n"
+     "    Tensor* output;\n"
+     "    // hvrep: before `tensor` below holds a second reference to the input's buffer.\n"
+     "    OP_REQUIRES_OK_ASYNC(\n"
+     "        context, context->forward_input_or_allocate_output({0}, 0, context->input(0).shape(), &output),\n"
+     "        done);\n"
+     "    auto tensor = context->input(0);\n"),
+    ("horovod/common/ops/gloo_operations.cc",
+     "    buffer_data = (void*)first_entry.output->data();\n"
+     "    std::memcpy(buffer_data, first_entry.tensor->data(),\n"
+     "                (size_t)first_entry.tensor->size());\n"
+     "    fused_input_data = buffer_data;\n",
+     "    buffer_data = (void*)first_entry.output->data();\n"
+     "    if (buffer_data != first_entry.tensor->data()) { // hvrep: the output may be the input's buffer\n"
+     "      std::memcpy(buffer_data, first_entry.tensor->data(),\n"
+     "                  (size_t)first_entry.tensor->size());\n"
+     "    }\n"
+     "    fused_input_data = buffer_data;\n"),
+)
+
+PATCHES = PATCHES + FLUSH_PATCHES
+# What an all-reduce's name holds to be one of hvrep's pre-fused reductions (HvrepFlushes in FLUSH_PATCHES).
+FLUSH_NAME = "HvrepFlush"
+
 # Names the patch set in logs; the cache key hashes PATCHES themselves.
-PATCH_ID = "idlewait3"
-# A string only the patched library holds (the variable its background thread reads).
-MARKER = b"HVREP_HOROVOD_IDLE_WAIT_MS"
+PATCH_ID = "idlewait3+flush1"
+# A string only the patched library holds (the variable it reads at a marked enqueue; FLUSH_PATCHES).
+MARKER = b"HVREP_HOROVOD_FLUSH"
 
 
 def installed() -> bool | None:

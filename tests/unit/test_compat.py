@@ -156,21 +156,41 @@ def test_cache_key_changes_with_the_horovod_patch(monkeypatch):
 
 
 def _fake_sdist(root: Path, drop: int | None = None) -> None:
-    """A tree holding each piece the patch replaces (all but piece ``drop``), among other text."""
-    for i, (rel, old, _) in enumerate(horovod_patches.PATCHES):
+    """A tree holding each piece the patch replaces (all but piece ``drop``), among other text. A piece that
+    replaces text an earlier piece puts in (FLUSH_PATCHES builds on the idle wait's) is not written: the earlier
+    piece writes it."""
+    written: dict[Path, str] = {}
+    patched: dict[Path, str] = {}  # `written` as the earlier pieces leave it
+    for i, (rel, old, new) in enumerate(horovod_patches.PATCHES):
         path = root / rel
+        text = written.get(path, "// Horovod 0.28.1\n")
+        after = patched.get(path, text)
+        if i != drop and after.count(old) != 1:
+            text, after = text + old + "// more\n", after + old + "// more\n"
+        written[path], patched[path] = text, after.replace(old, new)
+    for path, text in written.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = path.read_text() if path.exists() else "// Horovod 0.28.1\n"
-        path.write_text(text + (old if i != drop else "") + "// more\n")
+        path.write_text(text)
+
+
+def _rewritten_later(i: int) -> bool:
+    """Whether a later piece replaces part of piece ``i``'s text."""
+    rel, _, new = horovod_patches.PATCHES[i]
+    return any(r == rel and any(ln.strip() and ln in new for ln in old.splitlines())
+               for r, old, _ in horovod_patches.PATCHES[i + 1:])
 
 
 def test_the_horovod_patch_replaces_each_piece_once(tmp_path):
     _fake_sdist(tmp_path)
     changed = horovod_patches.apply(tmp_path)
     assert changed == sorted({rel for rel, _, _ in horovod_patches.PATCHES})
-    for rel, old, new in horovod_patches.PATCHES:
+    for i, (rel, old, new) in enumerate(horovod_patches.PATCHES):
         text = (tmp_path / rel).read_text()
-        assert new in text and text.count(old) == new.count(old), rel  # left only where the new text keeps it
+        if not _rewritten_later(i):
+            assert new in text and text.count(old) == new.count(old), rel  # left only where the new text keeps it
+    # Each of FLUSH_PATCHES' pieces is in the result (none is rewritten by a later one).
+    for rel, _, new in horovod_patches.FLUSH_PATCHES:
+        assert new in (tmp_path / rel).read_text(), rel
     # Applied again, pieces are gone: refused, not patched twice.
     with pytest.raises(SetupError, match="found it 0 times"):
         horovod_patches.apply(tmp_path)

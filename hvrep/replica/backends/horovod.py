@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import logging
 import pickle
+import re
 import sys
 import warnings
 import weakref
@@ -29,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvrep import _env, compat
-from hvrep.compat import gloo_sockets, removed_worker
+from hvrep.compat import gloo_sockets, horovod_patches, removed_worker
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
 from hvrep.replica import watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
@@ -520,7 +521,13 @@ class HorovodBackend(Backend):
         return {"sum": self.hvd.Sum, "mean": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
 
     def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:
-        return self.hvd.allreduce(t, op=self._hvd_op(op))
+        # Every in-step reduction of hvrep's (its fused buckets: all_reduce, wrap_optimizer, PowerSGD, local SGD)
+        # is fused already: the marker in the op's name has hvrep's Horovod build start the cycle at once instead
+        # of waiting a fusion window for more tensors (compat/horovod_patches.py, FLUSH_PATCHES). The name keeps
+        # "HorovodAllreduce", which elastic's failure check looks for, and the tensor's name, as Horovod's default
+        # does, so it is the same on every rank tracing the same step.
+        name = None if tf.executing_eagerly() else f"HorovodAllreduce_{horovod_patches.FLUSH_NAME}_{_op_name(t)}"
+        return self.hvd.allreduce(t, op=self._hvd_op(op), name=name)
 
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor:
         self._on_collective("all_gather", [x], str(axis))
@@ -591,6 +598,11 @@ class HorovodBackend(Backend):
             "wrong values or hangs. Fix: call repl.reduce on every rank and use its result only on the chief "
             "(e.g. `loss = repl.reduce(x, 'mean'); if repl.is_chief: print(loss)`)."
         )
+
+
+def _op_name(t: tf.Tensor) -> str:
+    """``t``'s name as a piece of an op name (Horovod's own default name does the same)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", t.name)
 
 
 def _creation_order(v: tf.Variable) -> tuple[int, str]:
