@@ -128,6 +128,7 @@ def write_config(root: Path, controller: tuple[str, str], nodes: list[tuple[str,
     # %n: each slurmd's own spool folder, pid and log file (several slurmds share this folder).
     per_node = "-%n" if len(nodes) > 1 else ""
     spools = [f"{d}-{name}" for name in names for d in ("spool", "tmp")] if per_node else ["spool"]
+    spools = spools if per_node else [*spools, "tmp"]
     for d in ("state", "log", "dev", *spools):
         (r / d).mkdir(parents=True, exist_ok=True)
     partitions = partitions or {"debug": names}
@@ -148,6 +149,10 @@ CredType=cred/none
 AuthInfo=cred_expire={CRED_EXPIRE_SEC}
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool{per_node}
+# The mpi/pmix plugin makes its client folders (spmix_appdir_<uid>_<job>.<step>) in TmpFS, /tmp by default: a
+# predictable path where a folder left by a killed run of another cluster (job ids restart at 1) stops the step
+# ("Cannot create directory ... File exists"). Each cluster, and each host of a bed, gets its own.
+TmpFS={r}/tmp{per_node}
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd{per_node}.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -378,10 +383,7 @@ class BedSlurm(LocalSlurm):
         # NODE_FAIL); Slurm's default, 300 s, is for real machines.
         write_config(self.root, controller=(self.CONTROLLER, bed.address(self.CONTROLLER)),
                      nodes=[(h, bed.address(h)) for h in bed.hosts], cpus=self.cpus, partitions=self.partitions,
-                     extra=f"SlurmdTimeout={self.slurmd_timeout}\n"
-                           # The mpi/pmix plugin makes its client folders (spmix_appdir_<uid>_<job>.<step>) in
-                           # TmpFS: one per host here, where all hosts share one /tmp.
-                           f"TmpFS={self.root}/tmp-%n\n")
+                     extra=f"SlurmdTimeout={self.slurmd_timeout}\n")
 
     def start(self, timeout: float = 60) -> None:
         """Brings the bed up, then slurmctld on h1 and a slurmd on every host; waits until every node is idle.

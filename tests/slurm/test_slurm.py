@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -117,6 +118,28 @@ def test_single_node_runs_two_ranks_under_srun_and_exits_0(slurm, demo_data, tmp
     assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3]
     assert final["event"] == "final" and final["stopped"] == "max_steps" and final["step"] == 3, final
     assert log.read_text().count("hvrep train: max_steps at step 3") == 1  # the chief alone prints
+
+
+def test_a_pmix_folder_left_in_tmp_by_another_cluster_does_not_stop_a_step(slurm, tmp_path):
+    """Slurm's PMIx plugin makes /tmp/spmix_appdir_<uid>_<job>.<step> unless TmpFS says otherwise; every test
+    cluster numbers its jobs from 1, so a folder left by a killed run, or made at the same moment by the cluster of
+    another pytest worker, stopped a step ("Cannot create directory ... File exists"). The clusters use their own
+    TmpFS; the folders planted here for the next jobs' ids must not matter."""
+    probe = slurm.sbatch(["--wrap", "true", "-o", str(tmp_path / "probe.out")])
+    slurm.wait(probe, JOB_TIMEOUT)
+    planted = []
+    try:
+        for job in range(probe + 1, probe + 4):
+            folder = Path(f"/tmp/spmix_appdir_{os.getuid()}_{job}.0")
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir()
+                planted.append(folder)
+        # srun exits 0 even when its tasks never launched ("task 0 launch failed"): count what they print.
+        res = slurm.run(["srun", "--mpi=pmix", "--ntasks=2", "echo", "launched"], check=False, timeout=JOB_TIMEOUT)
+        assert res.returncode == 0 and res.stdout.split() == ["launched"] * 2, res.stdout + res.stderr
+    finally:
+        for folder in planted:
+            folder.rmdir()
 
 
 # Outside make test (`pytest -m slow tests/slurm/test_slurm.py`): the same script's sweep runs across two nodes, with
