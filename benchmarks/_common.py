@@ -23,6 +23,21 @@ from typing import Any
 import numpy as np
 
 
+def comma_floats(text: str) -> list[float]:
+    """``"0.1,1"`` → [0.1, 1.0]: a command-line list (argparse ``type=``)."""
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def comma_ints(text: str) -> list[int]:
+    """``"2,4"`` → [2, 4]."""
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def comma_words(text: str) -> list[str]:
+    """``"fp32, fp16"`` → ["fp32", "fp16"]."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
     """median, p10, p90, min and max of timings in milliseconds."""
     a = np.asarray(samples_ms, dtype=np.float64)

@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import append_jsonl
+from _common import append_jsonl, comma_floats, comma_words
 from _common import run_id as new_run_id
 
 from hvrep.cluster import launch, netbed
@@ -76,14 +76,6 @@ CALIB_COUNTS = (1, 32)
 DEFAULT_THRESHOLDS = (0, 25 * MiB)
 # The agreement the issue asks of measured and predicted efficiency.
 TOLERANCE = 0.15
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
-def _words(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def calibration_points(records: Sequence[dict[str, Any]], target_gbit: float,
@@ -193,13 +185,13 @@ class _Bench:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", type=int, default=2, help="namespace hosts, one rank each (2-4)")
-    p.add_argument("--link-gbit", type=_floats, default=[1.0], help="target link rates, Gbit/s, comma-separated")
-    p.add_argument("--calib-gbit", type=_floats, default=list(DEFAULT_CALIB_GBIT),
+    p.add_argument("--link-gbit", type=comma_floats, default=[1.0], help="target link rates, Gbit/s, comma-separated")
+    p.add_argument("--calib-gbit", type=comma_floats, default=list(DEFAULT_CALIB_GBIT),
                    help="rates of the all-reduce calibration; each target is fitted on the others")
     p.add_argument("--thresholds", default=",".join(str(t) for t in DEFAULT_THRESHOLDS),
                    help="hvrep fusion thresholds, bytes (0: one collective per gradient)")
-    p.add_argument("--compressions", type=_words, default=["none", "fp16"])
-    p.add_argument("--overlap", type=_words, default=["off", "on"])
+    p.add_argument("--compressions", type=comma_words, default=["none", "fp16"])
+    p.add_argument("--overlap", type=comma_words, default=["off", "on"])
     p.add_argument("--width", type=int, default=64, help="small_resnet width (64: 4.9 MB of fp32 gradients)")
     p.add_argument("--batch", type=int, default=8, help="per-rank batch")
     p.add_argument("--image-size", type=int, default=32)

@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import append_jsonl
+from _common import append_jsonl, comma_floats, comma_ints, comma_words
 from _common import run_id as new_run_id
 
 from hvrep.cluster import launch, netbed
@@ -62,18 +62,6 @@ EFFICIENCY_TOLERANCE = 0.1
 STEP_TOLERANCE = 0.15
 # The bed's model: the one benchmarks/multihost.py trains (4.9 MB of fp32 gradients for ~70 ms of compute alone).
 MODEL = {"width": 64, "batch": 8, "image_size": 32}
-
-
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _words(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def bed_cluster(link_gbit: float) -> dict[str, Any]:
@@ -194,9 +182,9 @@ class _Bed:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hosts", type=_ints, default=list(DEFAULT_HOSTS), help="host counts, 2-4")
-    p.add_argument("--link-gbit", type=_floats, default=list(DEFAULT_GBIT), help="link rates, Gbit/s")
-    p.add_argument("--schemes", type=_words, default=list(DEFAULT_SCHEMES), help="fp32, fp16, powersgd:R, local:H")
+    p.add_argument("--hosts", type=comma_ints, default=list(DEFAULT_HOSTS), help="host counts, 2-4")
+    p.add_argument("--link-gbit", type=comma_floats, default=list(DEFAULT_GBIT), help="link rates, Gbit/s")
+    p.add_argument("--schemes", type=comma_words, default=list(DEFAULT_SCHEMES), help="fp32, fp16, powersgd:R, local:H")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per launch (median)")
     p.add_argument("--profile-max-bytes", type=int, default=1 << 20,

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import append_jsonl
+from _common import append_jsonl, comma_floats, comma_ints, comma_words
 from _common import run_id as new_run_id
 from _slow_links_worker import OUTER, SCHEMES
 
@@ -55,24 +55,12 @@ QUICK = {"seeds": [0], "steps": 32, "eval_every": 16, "width": 256, "train_examp
          "nosync_steps": 16, "max_train_s": 30.0}
 
 
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _words(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The benchmark's arguments, checked (``--quick`` replaces the sizes with ``QUICK``'s)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--link-gbit", type=_floats, default=[0.1, 1.0], help="link rates, Gbit/s, comma-separated")
-    p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds (initial weights and batch order)")
-    p.add_argument("--schemes", type=_words, default=list(SCHEMES), help=f"of {', '.join(SCHEMES)}")
+    p.add_argument("--link-gbit", type=comma_floats, default=[0.1, 1.0], help="link rates, Gbit/s, comma-separated")
+    p.add_argument("--seeds", type=comma_ints, default=[0, 1, 2], help="seeds (initial weights and batch order)")
+    p.add_argument("--schemes", type=comma_words, default=list(SCHEMES), help=f"of {', '.join(SCHEMES)}")
     p.add_argument("--steps", type=int, default=384, help="steps per run (a multiple of --eval-every)")
     p.add_argument("--eval-every", type=int, default=32,
                    help="steps between evaluations (a multiple of every scheme's H, so local SGD is evaluated "
