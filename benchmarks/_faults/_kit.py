@@ -167,6 +167,26 @@ def weight_diff(a: Path, b: Path, atol: float = 0.0) -> list[str]:
     return diff
 
 
+def differs_from_uninterrupted(final: Path, ref: Path) -> list[str]:
+    """What a resumed run's final checkpoint ``final`` lost against the uninterrupted run's ``ref``: any value
+    not equal bit for bit, and ``trained_samples``; empty when nothing."""
+    lost = []
+    diff = weight_diff(final, ref)
+    if diff:
+        lost.append(f"{len(diff)} value(s) differ from the uninterrupted run's, e.g. {diff[:3]}")
+    got = json.loads((final / "checkpoint.json").read_text()).get("trained_samples")
+    want = json.loads((ref / "checkpoint.json").read_text()).get("trained_samples")
+    if got != want:
+        lost.append(f"trained_samples {got} != the uninterrupted run's {want}")
+    return lost
+
+def outlived(victim: psutil.Process) -> bool:
+    """Whether a process the fault stopped is still there (a zombie, or gone, is not)."""
+    try:
+        return victim.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
 def lines_gone(before: list[str], after: list[str]) -> list[str]:
     """The complete lines of ``before`` that ``after`` no longer has (``after`` must start with them)."""
     whole = [line for line in before if line.endswith("}")]

@@ -18,7 +18,6 @@ weights of an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import shutil
 import subprocess
@@ -93,13 +92,7 @@ def _resume_and_compare(inj: Injection, data: Path, fmt: str, out: Path, log: Pa
     if final is None:
         lost.append(f"the resumed run left no checkpoint of step {STEPS}")
         return lost, first[0], code
-    diff = _kit.weight_diff(final, ref)
-    if diff:
-        lost.append(f"{len(diff)} value(s) differ from the uninterrupted run's, e.g. {diff[:3]}")
-    trained = json.loads((final / "checkpoint.json").read_text()).get("trained_samples")
-    want = json.loads((ref / "checkpoint.json").read_text()).get("trained_samples")
-    if trained != want:
-        lost.append(f"trained_samples {trained} != the uninterrupted run's {want}")
+    lost += _kit.differs_from_uninterrupted(final, ref)
     gone = _kit.lines_gone(before, _kit.lines(out))
     if gone:
         lost.append(f"{len(gone)} metrics line(s) written before the fault are gone, e.g. {gone[0]}")

@@ -14,7 +14,6 @@ other goes on, and the job ends 0 at its last step.
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
@@ -128,11 +127,7 @@ class SigStop:
                 lost.append(f"the job still ran {TIMEOUT_S + 90} s after the stop: a hang")
             detected_s = time.monotonic() - stopped_at
             time.sleep(1)
-            try:
-                still = victim.status() != psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                still = False
-            if still:
+            if _kit.outlived(victim):
                 lost.append(f"the stopped rank {rank} (pid {victim.pid}) outlived its job")
         lost += [f"left behind: {p}" for p in _kit.gone_within(tag, 10)]
         text = _kit.tail(log, 400_000)
@@ -162,13 +157,7 @@ class SigStop:
         if rcode != 0 or final_ckpt is None:
             lost.append(f"the resumed run exited {rcode}: {_kit.tail(workdir / 'resume.log', 1500)}")
         else:
-            diff = _kit.weight_diff(final_ckpt, ref)
-            if diff:
-                lost.append(f"{len(diff)} value(s) differ from the uninterrupted run's, e.g. {diff[:3]}")
-            got = json.loads((final_ckpt / "checkpoint.json").read_text()).get("trained_samples")
-            want = json.loads((ref / "checkpoint.json").read_text()).get("trained_samples")
-            if got != want:
-                lost.append(f"trained_samples {got} != the uninterrupted run's {want}")
+            lost += _kit.differs_from_uninterrupted(final_ckpt, ref)
         gone = _kit.lines_gone(before, _kit.lines(out))
         if gone:
             lost.append(f"{len(gone)} metrics line(s) from before the stop are gone, e.g. {gone[0]}")
@@ -211,11 +200,7 @@ def _elastic(inj: Injection, workdir: Path, step: int) -> Outcome:
         except subprocess.TimeoutExpired:
             code = None
             lost.append("the elastic job did not end within 400 s")
-        try:
-            still = victim.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            still = False
-        if still:
+        if _kit.outlived(victim):
             lost.append(f"the stopped worker (pid {victim.pid}) outlived the job")
     lost += [f"left behind: {p}" for p in _kit.gone_within(tag, 10)]
     events = _kit.events(out)
