@@ -377,6 +377,15 @@ class _KillThenDamage(_TrainingKind):
     def newest_before(self, inj: Injection, rng: random.Random) -> int:
         return self._step(random.Random(f"{inj.kind}/{inj.point}/{inj.seed}")) // INTERVAL * INTERVAL
 
+    @staticmethod
+    def _cut_newest(rng: random.Random, run: Path, file_name: str, what: str) -> tuple[int, str]:
+        """Cuts ``file_name`` of the newest checkpoint to a random k bytes; (its step, what was done)."""
+        folder = sorted((run / "checkpoints").glob("ckpt-*"))[-1]
+        file = folder / file_name
+        k = rng.randint(0, file.stat().st_size - 1)
+        os.truncate(file, k)
+        return int(folder.name.split("-")[1]), f"{folder.name}{what} cut to {k} bytes"
+
 
 class TornMetrics(_KillThenDamage):
     """A torn last line in metrics.jsonl: the first k bytes of a line, no newline (a crash mid-write)."""
@@ -403,11 +412,7 @@ class TornCheckpointJson(_KillThenDamage):
         return ["checkpoint.json"]
 
     def damage(self, inj: Injection, rng: random.Random, run: Path) -> tuple[int | None, str]:
-        folder = sorted((run / "checkpoints").glob("ckpt-*"))[-1]
-        file = folder / "checkpoint.json"
-        k = rng.randint(0, file.stat().st_size - 1)
-        os.truncate(file, k)
-        return int(folder.name.split("-")[1]), f"{folder.name}/checkpoint.json cut to {k} bytes"
+        return self._cut_newest(rng, run, "checkpoint.json", "/checkpoint.json")
 
 
 class TruncatedCheckpoint(_KillThenDamage):
@@ -419,11 +424,7 @@ class TruncatedCheckpoint(_KillThenDamage):
         return ["ckpt.data"]
 
     def damage(self, inj: Injection, rng: random.Random, run: Path) -> tuple[int | None, str]:
-        folder = sorted((run / "checkpoints").glob("ckpt-*"))[-1]
-        file = folder / "ckpt.data-00000-of-00001"
-        k = rng.randint(0, file.stat().st_size - 1)
-        os.truncate(file, k)
-        return int(folder.name.split("-")[1]), f"{folder.name}'s data file cut to {k} bytes"
+        return self._cut_newest(rng, run, "ckpt.data-00000-of-00001", "'s data file")
 
 
 KINDS: list = [CheckpointSaveKill(), RankKill("kill_one_rank", whole_job=False), RankKill("kill_job", whole_job=True),
