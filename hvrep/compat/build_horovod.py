@@ -83,6 +83,8 @@ GLOO_USAGE_EXIT_PATCH = RunnerPatch(
     "            if exit_code == 2:  # hvrep: a usage error, told by the worker; keep its line last and exit 2\n"
     "                sys.stdout.flush()\n"
     "                sys.stderr.flush()\n"
+    "                import multiprocessing.util  # unlink the runner's semaphores, or multiprocessing's resource\n"
+    "                multiprocessing.util._run_finalizers(0)  # tracker warns of leaked ones after our exit\n"
     "                os._exit(2)\n"
     "            if exit_code != 0:\n"
     "                print('Process {idx} exit with status code {ec}.'.format(idx=index, ec=exit_code))\n",
@@ -91,7 +93,7 @@ GLOO_USAGE_EXIT_PATCH = RunnerPatch(
 # environment's marker: bump it when this list changes, and an environment installed without a patch gets it
 # from the cached wheel in seconds, with no rebuild.
 RUNNER_PATCHES = (MPI_BINDING_PATCH, GLOO_USAGE_EXIT_PATCH)
-RUNNER_PATCH_ID = "runner2"
+RUNNER_PATCH_ID = "runner3"
 NCCL_WHEEL = "nvidia-nccl-cu12==2.32.3"
 # Headers TensorFlow's public headers include from the two Debian packages.
 _DEBIAN_HEADERS = ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayhash.h")
