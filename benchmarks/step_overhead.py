@@ -27,7 +27,8 @@ entry point's with-step run with ``HVREP_HOROVOD_FLUSH=0`` (hvrep's reductions w
 before hvrep's build ended it for them: hvrep/compat/horovod_patches.py), set around its samples only: cost lines
 of ``variant: "flush_off"``, against the same without-step. ``--breakdown`` (default on; off with ``--quick``)
 adds the 16 KB, 1-tensor ``all_reduce`` case re-run under variants (``HOROVOD_CYCLE_TIME=0.1``,
-``HVREP_HOROVOD_IDLE_WAIT_MS=0``, ``CommConfig(timeout_s=0)``: no watchdog markers, and ``HOROVOD_TIMELINE``,
+``HVREP_HOROVOD_IDLE_WAIT_MS=0``, ``CommConfig(timeout_s=0)``: no watchdog markers, the watchdog's
+``tf.py_function`` markers instead of its native ones, and ``HOROVOD_TIMELINE``,
 whose activities are summed per step): ``kind: "breakdown"`` lines.
 
 JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
@@ -61,9 +62,10 @@ ENTRIES = ("all_reduce", "wrap_optimizer")
 LAUNCHERS = ("mpirun", "horovodrun")
 # The variants of the breakdown: the extra environment of each launch of the 16 KB case.
 # "watchdog_off": CommConfig(timeout_s=0), so no collective in the step is wrapped in the hang watchdog's two
-# tf.py_function markers (hvrep/replica/watchdog.py).
+# markers (hvrep/replica/activity.py); "py_markers": the watchdog on, its markers the tf.py_function calls it
+# falls back to where hvrep's kernels are not loaded (and used everywhere before kernels/tf/watch.cc).
 VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"},
-            "watchdog_off": {}}
+            "watchdog_off": {}, "py_markers": {}}
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
 
 
@@ -155,6 +157,12 @@ def _worker(args: argparse.Namespace) -> int:
     import hvrep
 
     repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(timeout_s=0) if args.variant == "watchdog_off" else None)
+    if args.variant == "py_markers":
+        from hvrep.replica import activity, watchdog
+
+        dog = watchdog.current()
+        dog.activity = activity.Activity(native=False)
+        activity.bind(dog.activity)
     rank, size = repl.rank, repl.num_replicas
     mpi = None
     if args.launcher == "mpirun":

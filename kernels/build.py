@@ -159,7 +159,8 @@ def build(work: Path, *, tf_flags: tuple[list[str], list[str]] | None, cxx: str,
             b.run("compiling kernels/src/cpu.cc", [cxx, *CXXFLAGS, *inc, "-c", str(HERE / "src" / "cpu.cc"),
                                                    "-o", str(cpu_obj)])
             b.run("linking the TF op library", [cxx, "-shared", *TF_CXXFLAGS, *cflags, *inc,
-                                                str(HERE / "tf" / "ops.cc"), str(cpu_obj), "-o",
+                                                str(HERE / "tf" / "ops.cc"), str(HERE / "tf" / "watch.cc"),
+                                                str(cpu_obj), "-o",
                                                 str(work / CPU_LIB), *lflags])
             record["cpu"] = {"built": True, "library": CPU_LIB}
         except RuntimeError as e:

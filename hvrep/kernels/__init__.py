@@ -1,6 +1,6 @@
 """hvrep's fused kernels (kernels/ in the repository) and their pure-TF references.
 
-Three ops, each with a CPU kernel, a CUDA kernel and a reference written in
+Three ops for training, each with a CPU kernel, a CUDA kernel and a reference written in
 plain TensorFlow that gives the same result:
 
 * :func:`fused_lars_apply`: one LARS step (``hvrep.optimizers.LARS``) for a
@@ -8,8 +8,11 @@ plain TensorFlow that gives the same result:
   about ten per variable.
 * :func:`pack` / :func:`unpack`: a list of tensors to one rank-1 buffer and
   back, with a cast (e.g. to fp16 for the wire) and a scale (e.g. 1/N before a
-  sum across N replicas), for the fused all-reduce (``hvrep.replica.fusion``). One file per op family
-(``lars.py``, ``packing.py``) and one that finds and loads the built library (``loader.py``).
+  sum across N replicas), for the fused all-reduce (``hvrep.replica.fusion``).
+
+And the hang watchdog's two marker ops (``watch.py``, CPU only, no reference: where they are not loaded the
+watchdog marks collectives with ``tf.py_function``). One file per op family (``lars.py``, ``packing.py``,
+``watch.py``) and one that finds and loads the built library (``loader.py``).
 
 The kernels are built by ``make setup`` (``python kernels/build.py``) into
 ``hvrep/_lib``. Where they were not built, could not load, are switched off

@@ -155,6 +155,11 @@ def gpu_problem(driver: int, runtime: int, capabilities: Sequence[tuple[int, int
     return None
 
 
+def op_module() -> ModuleType | None:
+    """The loaded CPU op library's module (``tf.load_op_library``), or None on the reference path."""
+    return _load()[0]
+
+
 def status() -> KernelStatus:
     """Which path (fused or reference) this process uses, and why."""
     return _load()[1]

@@ -6,12 +6,14 @@ run. The watchdog is a thread per rank with an out-of-band heartbeat that does
 not go through Horovod:
 
 * what it watches: every Horovod collective hvrep issues, through one
-  mechanism, :class:`Watched`: the horovod backend holds Horovod's module
-  wrapped in it, so each collective function (``allreduce``, ``allgather``,
-  ``broadcast`` ...) marks itself, eagerly around the call, and in a traced
-  step (``run``, Keras' ``fit`` calling ``Replicator.all_reduce``, any
-  ``tf.function``) with a marker op before and after the collective's op, so
-  the mark follows the op as it executes, not as it is traced;
+  mechanism, :class:`hvrep.replica.activity.Watched`: the horovod backend
+  holds Horovod's module wrapped in it, so each collective function
+  (``allreduce``, ``allgather``, ``broadcast`` ...) marks itself, eagerly
+  around the call, and in a traced step (``run``, Keras' ``fit`` calling
+  ``Replicator.all_reduce``, any ``tf.function``) with a marker op before and
+  after the collective's op, so the mark follows the op as it executes, not as
+  it is traced (native ops where hvrep's kernels are built, which take a mutex
+  and no Python);
 * rank 0 hosts a small TCP server; its address and a random per-job secret
   travel once at start-up, in one Horovod broadcast (the secret never
   crosses the network otherwise, as in Horovod's own runner);
@@ -64,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import hmac
 import ipaddress
@@ -82,10 +83,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import tensorflow as tf
-
 from hvrep import _env
 from hvrep.errors import EXIT_CODES, EXIT_HANG, EXIT_MISMATCH, ExitCode, WatchdogError
+from hvrep.replica.activity import Activity, bind
 from hvrep.replica.identity import ProcessIdentity
 
 # One message, either way: a heartbeat is under 2 KiB, an answer carries at most the verdict's first line.
@@ -98,46 +98,10 @@ AUTH_S = 5.0
 # Seconds the on_end callbacks (hvrep train's final event: a checkpoint lookup and a metrics.jsonl line) may take
 # before the rank exits anyway: a hung file system must not keep a hung job alive.
 END_WORK_S = 10.0
-# At most this many labels of the collectives a rank is inside travel in a heartbeat.
-_WAITING_SHOWN = 16
 
 
 def _now() -> float:
     return time.monotonic()
-
-
-class Activity:
-    """What this rank is doing: the collectives it is inside, entered and left from TensorFlow's threads (a
-    counter and single dict operations, atomic under the GIL: no lock, no I/O)."""
-
-    def __init__(self) -> None:
-        self._calls = itertools.count(1)
-        self.pending: dict[int, tuple[str, float]] = {}  # call number -> (label, monotonic time entered)
-        self.last: tuple[int, str] = (0, "starting")  # the last collective that completed
-        self.since = _now()  # when it completed
-        self.step = ""  # the step the training loop noted, if any
-
-    def enter(self, what: str) -> int:
-        call = next(self._calls)
-        self.pending[call] = (what, _now())
-        return call
-
-    def leave(self, call: int) -> None:
-        entry = self.pending.pop(call, None)
-        if entry is not None:
-            self.last, self.since = (call, entry[0]), _now()
-
-    def snapshot(self) -> dict[str, Any]:
-        pending = self.pending.copy()
-        now = _now()
-        if pending:
-            call = min(pending)
-            what, entered = pending[call]
-            labels = sorted({w for w, _ in pending.values()})
-            return {"call": call, "what": what, "in": True, "age": round(now - entered, 2), "step": self.step,
-                    "waiting": labels[:_WAITING_SHOWN], "more": len(labels) > _WAITING_SHOWN}
-        call, what = self.last
-        return {"call": call, "what": what, "in": False, "age": round(now - self.since, 2), "step": self.step}
 
 
 def describe(rank: int, state: dict[str, Any], heard_ago: float) -> str:
@@ -601,11 +565,8 @@ class Watchdog:
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
         """Marks one collective, eagerly, from entry to return (``Watched`` does this for every Horovod call)."""
-        call = self.activity.enter(what)
-        try:
+        with self.activity.inside(what):
             yield
-        finally:
-            self.activity.leave(call)
 
     def note_step(self, step: str) -> None:
         """The training loop's own label for what comes next (e.g. "train step 58"); shows in the report."""
@@ -800,78 +761,6 @@ def _ignore_sigterm() -> None:
         libc.signal(int(signal.SIGTERM), 1)  # SIG_IGN
 
 
-# --- the one mechanism that watches every collective ----------------------------------------------
-
-# Horovod's collective functions (horovod.tensorflow): each is watched when called through `Watched`.
-HOROVOD_COLLECTIVES = frozenset({
-    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
-    "alltoall", "reducescatter", "grouped_reducescatter", "barrier", "join", "broadcast_object",
-    "allgather_object", "broadcast_variables"})
-
-
-class Watched:
-    """Horovod's module, each collective function of which marks itself for this process's watchdog.
-
-    The horovod backend holds Horovod through this, so every collective hvrep
-    issues is watched wherever it runs: eagerly, around the call; in a traced
-    step, by a marker op that runs before the collective's op and one that
-    runs once its result exists (``tf.py_function``: about 50 us each, a few
-    per step). A graph traced while no watchdog runs gets no markers; one
-    traced with markers finds the current watchdog when it executes. Other
-    attributes are Horovod's own.
-
-    Args:
-      module: ``horovod.tensorflow``.
-      context: what the caller is doing (e.g. "run(step_fn)"), asked when a collective is issued (traced or
-        eager); the label it makes must be the same on every rank for the same collective.
-    """
-
-    def __init__(self, module: Any, context: Callable[[], str]) -> None:
-        self._module, self._context = module, context
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
-        if name in HOROVOD_COLLECTIVES and callable(value):
-            return functools.partial(_watched_call, name, value, self._context)
-        return value
-
-
-def _signature(value: Any) -> str:
-    flat = tf.nest.flatten(value) if value is not None else []
-    parts = [f"{t.dtype.name}{t.shape.as_list()}" for t in flat[:4] if hasattr(t, "dtype") and hasattr(t, "shape")]
-    return ",".join(parts) + (f",+{len(flat) - 4}" if len(flat) > 4 else "")
-
-
-def _watched_call(op: str, fn: Callable[..., Any], context: Callable[[], str], /, *args: Any, **kwargs: Any) -> Any:
-    # Positional-only: Horovod's own functions take `name=`.
-    dog = _CURRENT
-    if dog is None:
-        return fn(*args, **kwargs)
-    label = f"{context()}: {op} {_signature(args[0] if args else None)}".rstrip()
-    if tf.executing_eagerly():
-        with dog.collective(label):
-            return fn(*args, **kwargs)
-    entered = tf.py_function(functools.partial(_enter, label), [], tf.int64, name="hvrep_watchdog_enter")
-    with tf.control_dependencies([entered]):
-        out = fn(*args, **kwargs)
-    with tf.control_dependencies([t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor | tf.Operation)]):
-        left = tf.py_function(_leave, [entered], tf.int64, name="hvrep_watchdog_leave")
-    with tf.control_dependencies([left]):
-        return tf.nest.map_structure(lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, out)
-
-
-def _enter(label: str) -> int:
-    dog = _CURRENT
-    return dog.activity.enter(label) if dog is not None else 0
-
-
-def _leave(call: tf.Tensor) -> int:
-    dog = _CURRENT
-    if dog is not None:
-        dog.activity.leave(int(call.numpy()))
-    return 0
-
-
 # --- this process's watchdog ----------------------------------------------------------------------
 
 # The watchdog of this process (one per process, like Horovod), or None; and the backends that use it.
@@ -891,6 +780,7 @@ def install(watchdog: Watchdog | None, user: object | None = None) -> None:
         _CURRENT.close()
         _USERS.clear()
     _CURRENT = watchdog
+    bind(watchdog.activity if watchdog is not None else None)
     if watchdog is not None and user is not None:
         _USERS.add(id(user))
 

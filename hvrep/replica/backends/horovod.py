@@ -32,7 +32,7 @@ import tensorflow as tf
 from hvrep import _env, compat
 from hvrep.compat import gloo_sockets, horovod_patches, removed_worker
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
-from hvrep.replica import watchdog
+from hvrep.replica import activity, watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
@@ -264,9 +264,9 @@ class HorovodBackend(Backend):
         hvd = compat.import_horovod()
         _start_horovod(hvd, config)
         # Every collective this backend issues goes through Horovod's module wrapped for the watchdog, eager or
-        # traced, in run or in Keras' fit (hvrep.replica.watchdog.Watched): nothing else needs to mark them.
+        # traced, in run or in Keras' fit (hvrep.replica.activity.Watched): nothing else needs to mark them.
         self._doing = ""
-        self.hvd = watchdog.Watched(hvd, lambda: self._doing or _OUTSIDE_RUN)
+        self.hvd = activity.Watched(hvd, lambda: self._doing or _OUTSIDE_RUN)
         # Under horovodrun's elastic driver the world comes from its rendezvous (the launcher's variables are
         # stale after the first reset); otherwise it must be the launcher's.
         self.elastic = _env.horovod_elastic()

@@ -10,9 +10,9 @@ import types
 import pytest
 import tensorflow as tf
 
-from hvrep import CommConfig, _env
+from hvrep import CommConfig, _env, kernels
 from hvrep.errors import EXIT_HANG, EXIT_MISMATCH, ConfigError, WatchdogError
-from hvrep.replica import watchdog
+from hvrep.replica import activity, watchdog
 from hvrep.replica.watchdog import Watchdog, verdict
 
 
@@ -150,7 +150,10 @@ def test_a_mismatch_has_its_own_exit_code_and_a_hang_keeps_75():
     assert EXIT_HANG.code == 75 and EXIT_HANG.stopped == "timeout" and EXIT_HANG.requeue
 
 
-def test_watched_marks_a_traced_collective_while_it_executes_not_while_it_is_traced():
+@pytest.mark.parametrize("native", [True, False], ids=["native-markers", "py_function-markers"])
+def test_watched_marks_a_traced_collective_while_it_executes_not_while_it_is_traced(native):
+    if native and activity.native_watch.native() is None:
+        pytest.fail(f"hvrep's kernels are not loaded ({kernels.status().describe()}): `make setup` builds them")
     # A stand-in for one Horovod collective: an op that blocks until released, so the test can look inside.
     release, inside = threading.Event(), threading.Event()
 
@@ -163,13 +166,16 @@ def test_watched_marks_a_traced_collective_while_it_executes_not_while_it_is_tra
         return tf.py_function(wait, [x], x.dtype)
 
     fake = types.SimpleNamespace(allreduce=blocking, size=lambda: 2)
-    hvd = watchdog.Watched(fake, lambda: "a compiled step")
+    hvd = activity.Watched(fake, lambda: "a compiled step")
     assert hvd.size() == 2  # everything else is the module's own
     w0, w1, _, _ = _pair(timeout_s=600)
+    w0.activity = activity.Activity(native=native)
     watchdog.install(w0)
     try:
         step = tf.function(lambda x: hvd.allreduce(x) * 2)
-        step.get_concrete_function(tf.TensorSpec([3], tf.float32))
+        graph = step.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+        markers = sorted(op.type for op in graph.get_operations() if "hvrep_watchdog" in op.name)
+        assert markers == (["HvrepWatchEnter", "HvrepWatchLeave"] if native else ["EagerPyFunc", "EagerPyFunc"])
         assert not w0.activity.pending  # traced: nothing is inside a collective yet
         result: list = []
         worker = threading.Thread(target=lambda: result.append(step(tf.ones([3]))))
