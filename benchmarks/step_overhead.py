@@ -28,7 +28,8 @@ before hvrep's build ended it for them: hvrep/compat/horovod_patches.py), set ar
 of ``variant: "flush_off"``, against the same without-step. ``--breakdown`` (default on; off with ``--quick``)
 adds the 16 KB, 1-tensor ``all_reduce`` case re-run under variants (``HOROVOD_CYCLE_TIME=0.1``,
 ``HVREP_HOROVOD_IDLE_WAIT_MS=0``, ``CommConfig(timeout_s=0)``: no watchdog markers, the watchdog's
-``tf.py_function`` markers instead of its native ones, and ``HOROVOD_TIMELINE``,
+``tf.py_function`` markers instead of its native ones, Gloo's ring instead of halving-doubling
+(``HVREP_GLOO_BCUBE_BYTES=0``), and ``HOROVOD_TIMELINE``,
 whose activities are summed per step): ``kind: "breakdown"`` lines.
 
 JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
@@ -63,9 +64,11 @@ LAUNCHERS = ("mpirun", "horovodrun")
 # The variants of the breakdown: the extra environment of each launch of the 16 KB case.
 # "watchdog_off": CommConfig(timeout_s=0), so no collective in the step is wrapped in the hang watchdog's two
 # markers (hvrep/replica/activity.py); "py_markers": the watchdog on, its markers the tf.py_function calls it
-# falls back to where hvrep's kernels are not loaded (and used everywhere before kernels/tf/watch.cc).
+# falls back to where hvrep's kernels are not loaded (and used everywhere before kernels/tf/watch.cc);
+# "gloo_ring": Gloo's ring for every size, as before hvrep's build took halving-doubling for small all-reduces
+# (hvrep/compat/horovod_patches.py, GLOO_PATCHES; under mpirun it changes nothing).
 VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"},
-            "watchdog_off": {}, "py_markers": {}}
+            "watchdog_off": {}, "py_markers": {}, "gloo_ring": {"HVREP_GLOO_BCUBE_BYTES": "0"}}
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
 
 

@@ -1,5 +1,6 @@
 """hvrep's changes to Horovod 0.28.1's C++: the background thread waits for work instead of cycling, hvrep's own
-reductions skip the fusion window, and a lone all-reduce runs in its input's buffer.
+reductions skip the fusion window, a lone all-reduce runs in its input's buffer, and small Gloo all-reduces take
+Gloo's halving-doubling algorithm.
 
 Horovod's background thread runs a cycle every ``HOROVOD_CYCLE_TIME`` (1 ms) for as long as Horovod is up, and
 every cycle is a collective among all ranks (a bitwise AND of the response cache's bits, then the negotiation),
@@ -49,6 +50,20 @@ not while Horovod's autotuner runs (it measures the window it sets). ``hvd.shutd
 output and reduced into it (MPI out of place, Gloo after copying the input into it); it now forwards its input's
 buffer as the output when TensorFlow says nothing else holds it (``forward_input_or_allocate_output``: an hvrep
 bucket made by a concat, not a variable), so MPI runs in place and Gloo skips its copy.
+
+**Small Gloo all-reduces take Gloo's halving-doubling algorithm** (``GLOO_PATCHES``). Horovod calls
+``gloo::allreduce`` with Gloo's default, the ring: on p ranks 2(p-1) steps of 1/p of the buffer in 2p segments,
+each a rendezvous of two ranks. For a buffer of a few KB that is only latency: each step waits for the peer's
+threads to be woken (under ``horovodrun --gloo`` on one core per rank, ~0.3-0.6 ms a step on this machine).
+Gloo's ``BCUBE`` is recursive halving and doubling: 2 log2(p) steps for p a power of two (the same bytes per
+rank as the ring), a direct reduce-scatter and all-gather among the remaining factor otherwise. All-reduces of
+at most ``HVREP_GLOO_BCUBE_BYTES`` bytes take it (default ``GLOO_BCUBE_BYTES``, 1 MiB; read at each all-reduce;
+0 keeps the ring for every size; like every Horovod setting, the same on every rank, as launchers pass it): on
+2 ranks 2.0x faster at 16 KB and 1.4x at 256 KB, even at 1-4 MB, and 0.9x at 32 MB, where the ring's
+pipelining wins (``benchmarks/gloo_algorithms.py``, docs/performance.md). Why this is safe: every rank takes
+the same branch (the size is the negotiated response's), both algorithms leave every rank with the same bits,
+and the sum is exact where the ring's is; only the order of the additions differs on more than 2 ranks, as
+between any two all-reduce algorithms (tests/multirank/test_gloo_algorithms.py).
 
 Each patch replaces one exact piece of Horovod 0.28.1's source; a piece that is not there (another version) stops
 the build with a message instead of building something else. ``build_horovod`` hashes this file into the wheel's
@@ -286,14 +301,46 @@ FLUSH_PATCHES: tuple[tuple[str, str, str], ...] = (
      "    fused_input_data = buffer_data;\n"),
 )
 
-PATCHES = PATCHES + FLUSH_PATCHES
+# Gloo all-reduces of at most HVREP_GLOO_BCUBE_BYTES (default GLOO_BCUBE_BYTES) take Gloo's halving-doubling
+# algorithm instead of its ring (see the module's docstring).
+GLOO_BCUBE_BYTES = 1 << 20
+GLOO_PATCHES: tuple[tuple[str, str, str], ...] = (
+    ("horovod/common/ops/gloo_operations.cc",
+     '#include "gloo/allreduce.h"\n',
+     '#include "gloo/allreduce.h"\n'
+     "#include <cstdlib>\n"
+     "\n"
+     "namespace {\n"
+     "// hvrep (hvrep/compat/horovod_patches.py, GLOO_PATCHES): whether an all-reduce of `bytes` takes Gloo's\n"
+     "// halving-doubling algorithm (BCUBE): at most HVREP_GLOO_BCUBE_BYTES (read at each call, so a benchmark\n"
+     "// may switch it; 0 keeps the ring for every size).\n"
+     "bool HvrepGlooBcube(size_t bytes) {\n"
+     "  const char* v = std::getenv(\"HVREP_GLOO_BCUBE_BYTES\");\n"
+     f"  long long limit = {GLOO_BCUBE_BYTES}LL;\n"
+     "  if (v != nullptr && *v != '\\0') {\n"
+     "    char* end = nullptr;\n"
+     "    const long long parsed = std::strtoll(v, &end, 10);\n"
+     "    if (end != nullptr && *end == '\\0' && parsed >= 0) limit = parsed;\n"
+     "  }\n"
+     "  return (long long)bytes <= limit;\n"
+     "}\n"
+     "} // namespace\n"),
+    ("horovod/common/ops/gloo_operations.cc",
+     "  gloo::allreduce(opts);\n",
+     "  if (HvrepGlooBcube((size_t)num_elements * sizeof(T))) {\n"
+     "    opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);\n"
+     "  }\n"
+     "  gloo::allreduce(opts);\n"),
+)
+
+PATCHES = PATCHES + FLUSH_PATCHES + GLOO_PATCHES
 # What an all-reduce's name holds to be one of hvrep's pre-fused reductions (HvrepFlushes in FLUSH_PATCHES).
 FLUSH_NAME = "HvrepFlush"
 
 # Names the patch set in logs; the cache key hashes PATCHES themselves.
-PATCH_ID = "idlewait3+flush1"
-# A string only the patched library holds (the variable it reads at a marked enqueue; FLUSH_PATCHES).
-MARKER = b"HVREP_HOROVOD_FLUSH"
+PATCH_ID = "idlewait3+flush1+bcube1"
+# A string only a library built with every patch holds (the variable GLOO_PATCHES reads).
+MARKER = b"HVREP_GLOO_BCUBE_BYTES"
 
 
 def installed() -> bool | None:
