@@ -5,9 +5,13 @@ Contenders, one run each per round, in turn (round-robin, so a round's runs shar
   1rank-1core     the same with train.threads=1 (one core: the weak-scaling baseline of a rank's share)
   2rank-horovodrun  horovodrun -np 2 --gloo hvrep train, defaults, global batch 64 (32 per rank)
   2rank-mpirun      mpirun -np 2 hvrep train (Open MPI's own binding), defaults, global batch 64
+  2x1core-apart     two 1rank-1core runs at once, each pinned to a core of its own, no communication: the
+                    machine's own ceiling for 2 ranks (shared caches, memory and the host's scheduling); its
+                    images/s is the two runs' sum
 
 Each run's throughput is the median images/s of its epochs after the first (``hvrep.perf.summary``).
-Weak scaling = 2-rank images/s / (2 x a 1-rank run's), per round, against each baseline.
+Weak scaling = 2-rank images/s / (2 x a 1-rank run's), per round, against each baseline; and each 2-rank run
+against 2x1core-apart (the share of the machine's ceiling that communication leaves).
 
     python benchmarks/default_scaling.py --rounds 3 --epochs 4        # appends to benchmarks/results/...
 """
@@ -41,15 +45,42 @@ def _contenders() -> dict[str, tuple[list[str], list[str]]]:
         "2rank-horovodrun": ([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", HVREP, "train"],
                              ["train.global_batch=64"]),
         "2rank-mpirun": ([str(BIN / "mpirun"), "-np", "2", HVREP, "train"], ["train.global_batch=64"]),
+        APART: ([HVREP, "train"], ["train.global_batch=32", "train.threads=1"]),
     }
 
 
-def _run(prefix: list[str], overrides: list[str], out: Path, epochs: int) -> float:
+APART = "2x1core-apart"
+
+
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM", "PMI_", "SLURM_", "HOROVOD_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [*prefix, "--config", "demo", f"output_dir={out}", f"train.epochs={epochs}", "train.eval_every=1000",
-           "optim.warmup_epochs=1", *overrides]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    return env
+
+
+def _command(prefix: list[str], overrides: list[str], out: Path, epochs: int) -> list[str]:
+    return [*prefix, "--config", "demo", f"output_dir={out}", f"train.epochs={epochs}", "train.eval_every=1000",
+            "optim.warmup_epochs=1", *overrides]
+
+
+def _run_apart(prefix: list[str], overrides: list[str], out: Path, epochs: int) -> float:
+    """Two runs at once, each on one core of its own; the sum of their images/s."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    procs = []
+    for i, core in enumerate(cores):
+        cmd = ["taskset", "-c", str(core), *_command(prefix, overrides, out / str(i), epochs)]
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                            env=_env())))
+    for cmd, proc in procs:
+        _, err = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
+    return sum(float(throughput(read_metrics(out / str(i)))) for i in range(len(cores)))
+
+
+def _run(prefix: list[str], overrides: list[str], out: Path, epochs: int) -> float:
+    cmd = _command(prefix, overrides, out, epochs)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     return float(throughput(read_metrics(out)))
@@ -69,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 prefix, overrides = contenders[name]
                 t0 = time.time()
-                ips = _run(prefix, overrides, Path(scratch) / f"{name}-{r}", args.epochs)
+                run = _run_apart if name == APART else _run
+                ips = run(prefix, overrides, Path(scratch) / f"{name}-{r}", args.epochs)
                 rates[name].append(ips)
                 record = {"run_id": rid, "benchmark": "default_scaling", "round": r, "contender": name,
                           "images_per_sec": ips, "wall_s": time.time() - t0, "epochs": args.epochs,
@@ -85,6 +117,17 @@ def main(argv: list[str] | None = None) -> int:
                             "max": float(per_round.max())}
             print(f"weak scaling {key:34s} median {np.median(per_round):.0%} "
                   f"[{per_round.min():.0%}-{per_round.max():.0%}]")
+        per_round = np.asarray(rates[two]) / np.asarray(rates[APART])
+        key = f"{two}/{APART}"
+        summary[key] = {"median": float(np.median(per_round)), "min": float(per_round.min()),
+                        "max": float(per_round.max())}
+        print(f"against the ceiling {key:27s} median {np.median(per_round):.0%} "
+              f"[{per_round.min():.0%}-{per_round.max():.0%}]")
+    ceiling = np.asarray(rates[APART]) / (2 * np.asarray(rates["1rank-1core"]))
+    summary[f"{APART}/2x1rank-1core"] = {"median": float(np.median(ceiling)), "min": float(ceiling.min()),
+                                         "max": float(ceiling.max())}
+    print(f"the machine's ceiling {APART}/2x1rank-1core median {np.median(ceiling):.0%} "
+          f"[{ceiling.min():.0%}-{ceiling.max():.0%}]")
     for name, values in rates.items():
         summary[name] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
     append_jsonl(Path(args.out), [summary])
