@@ -83,17 +83,29 @@ GLOO_USAGE_EXIT_PATCH = RunnerPatch(
     "            if exit_code == 2:  # hvrep: a usage error, told by the worker; keep its line last and exit 2\n"
     "                sys.stdout.flush()\n"
     "                sys.stderr.flush()\n"
-    "                import multiprocessing.util  # unlink the runner's semaphores, or multiprocessing's resource\n"
-    "                multiprocessing.util._run_finalizers(0)  # tracker warns of leaked ones after our exit\n"
     "                os._exit(2)\n"
     "            if exit_code != 0:\n"
     "                print('Process {idx} exit with status code {ec}.'.format(idx=index, ec=exit_code))\n",
     "a worker's usage error (exit 2) ends horovodrun --gloo with exit 2, its line last")
+# The runner's semaphores (safe_shell_exec's spawn-context Events and Pipes) are left to multiprocessing's resource
+# tracker by that os._exit: the tracker, a process of its own, unlinks them once horovodrun and every middleman are
+# gone (they all hold its pipe, so none is still starting), but first warns "There appear to be 10 leaked semaphore
+# objects", after hvrep's line. Unlinking them ourselves before the exit is not safe: under the elastic driver a
+# middleman being started at that moment fails to open one and prints a traceback. So the tracker, started later
+# with the interpreter's warning options, is told to keep that one warning to itself; it still cleans up.
+QUIET_TRACKER_PATCH = RunnerPatch(
+    "runner/gloo_run.py",
+    "from horovod.runner.util import network, threads\n",
+    "from horovod.runner.util import network, threads\n"
+    "\n"
+    "# hvrep: the resource tracker cleans up the semaphores a usage-error exit leaves, without a warning\n"
+    "sys.warnoptions.append('ignore:resource_tracker:UserWarning')\n",
+    "the resource tracker cleans up after a usage-error exit without warning")
 # Applied to the installed files after the (cached) wheel is installed. RUNNER_PATCH_ID is part of the
 # environment's marker: bump it when this list changes, and an environment installed without a patch gets it
 # from the cached wheel in seconds, with no rebuild.
-RUNNER_PATCHES = (MPI_BINDING_PATCH, GLOO_USAGE_EXIT_PATCH)
-RUNNER_PATCH_ID = "runner3"
+RUNNER_PATCHES = (MPI_BINDING_PATCH, GLOO_USAGE_EXIT_PATCH, QUIET_TRACKER_PATCH)
+RUNNER_PATCH_ID = "runner4"
 NCCL_WHEEL = "nvidia-nccl-cu12==2.32.3"
 # Headers TensorFlow's public headers include from the two Debian packages.
 _DEBIAN_HEADERS = ("farmhash.h", "highwayhash/sip_hash.h", "highwayhash/highwayhash.h")

@@ -52,7 +52,8 @@ def test_every_patch_applies_to_horovods_own_runner_once(tmp_path):
     assert build_horovod.patch_runner(view) is False
     for patch in build_horovod.RUNNER_PATCHES:
         text = (view / patch.file).read_text()
-        assert patch.new in text and text.count("# hvrep:") == 1, patch.file
+        in_file = sum(other.file == patch.file for other in build_horovod.RUNNER_PATCHES)
+        assert patch.new in text and text.count("# hvrep:") == in_file, patch.file  # each once
     # The patched runner still imports: the replacements are valid Python where they land.
     for name in _FILES:
         compile((view / name).read_text(), name, "exec")
