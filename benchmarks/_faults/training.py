@@ -369,7 +369,11 @@ class _KillThenDamage(_TrainingKind):
     """A run killed between steps (after a save), whose files are then damaged as a disk fault would."""
 
     def _step(self, rng: random.Random) -> int:
-        return rng.choice([s for s in SAVES if s > INTERVAL]) + rng.randint(0, INTERVAL - 1)
+        # Killed after a step from a save on, before the run's last step: after step 22 (the end) no step is left
+        # to kill before, so such a fault never fires (the campaign of 2026-11-27 drew steps 23 and 24 four
+        # times); after the last save (20) only steps 20 and 21 remain.
+        save = rng.choice([s for s in SAVES if s > INTERVAL])
+        return save + rng.randint(0, min(INTERVAL - 1, STEPS - 1 - save))
 
     def fault(self, inj: Injection, rng: random.Random) -> str:
         return f"kill:step.between@{self._step(rng)}"
