@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,12 @@ def _no_space(err: BaseException) -> bool:
             return True
         cause = cause.__cause__ or cause.__context__
     return False
+
+
+def _first_line(err: BaseException) -> str:
+    """``err``'s message on one line: a TensorFlow op error's first line, without its ``{{function_node …}}``."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return re.sub(r"^\{\{[^}]*\}\}\s*", "", text)
 
 
 def _model(cfg: configs.RunConfig) -> Any:
@@ -369,14 +376,16 @@ def main(argv: list[str] | None = None) -> int:
 
             import_tensorflow_quietly()
         run(cfg, resume=args.resume, overwrite=args.overwrite)
-    except (HvrepError, OSError) as e:
+    except Exception as e:
         # A full output file system is neither a setting to fix nor transient: its own code, which
         # slurm/preemptible.sbatch does not requeue (a requeue would fill it again); free space, then --resume.
+        # It may come from any writer: metrics.jsonl (OSError), a checkpoint or TensorBoard's event file
+        # (a TensorFlow error that carries ENOSPC in its message only).
         if _no_space(e):
             if args.debug:
                 raise
-            print(f"hvrep train: error: the output file system is full: {e} (exit {EXIT_NO_SPACE.code}: free "
-                  "space, then continue with --resume; the checkpoints completed before are intact)",
+            print(f"hvrep train: error: the output file system is full: {_first_line(e)} (exit {EXIT_NO_SPACE.code}: "
+                  "free space, then continue with --resume; the checkpoints completed before are intact)",
                   file=sys.stderr)
             return EXIT_NO_SPACE.code
         if args.debug or not isinstance(e, HvrepError):
