@@ -346,8 +346,10 @@ class DiskFull(_TrainingKind):
     def newest_before(self, inj: Injection, rng: random.Random) -> int:
         n = self._n(inj, random.Random(f"{inj.kind}/{inj.point}/{inj.seed}"))
         # After a metrics line fills the disk, the run goes on until a write needs a new page: a later save
-        # may fail, so only the saves before the fill are sure to be complete.
-        return SAVES[n - 2] if inj.point.startswith("ckpt.") else (n - 1) // INTERVAL * INTERVAL
+        # may fail, so only the saves before the fill are sure to be complete. The n-th metrics line is step
+        # n - 1's (the first is the run's `config`), written before that step's save: the fill before it can
+        # stop that save (`fill:metrics.write@6` stopped step 5's: the campaign of 2026-11-27 wrongly counted it).
+        return SAVES[n - 2] if inj.point.startswith("ckpt.") else (n - 2) // INTERVAL * INTERVAL
 
     @contextlib.contextmanager
     def mount(self, folder: Path):
