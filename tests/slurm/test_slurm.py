@@ -299,3 +299,88 @@ def test_preemptible_job_is_not_requeued_when_the_ranks_run_different_collective
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", f"{EXIT_MISMATCH.code}:0"), slurm.describe(job)
     assert "the ranks are in different collectives" in text, slurm.describe(job)
     assert f"not requeueing job {job}" in text, text[-3000:]
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: str = "48m") -> Iterator[Path]:
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _until_ended_or_requeued(slurm: LocalSlurm, job: int) -> dict[str, str]:
+    deadline = time.monotonic() + JOB_TIMEOUT
+    info = slurm.job(job)
+    while info["JobState"] not in TERMINAL_STATES and int(info.get("Restarts", 0)) == 0:
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {job} still running after {JOB_TIMEOUT} s.\n{slurm.describe(job)}")
+        time.sleep(1)
+        info = slurm.job(job)
+    return info
+
+
+def _assert_not_requeued_for_a_full_disk(slurm: LocalSlurm, job: int, info: dict[str, str], text: str) -> None:
+    assert int(info["Restarts"]) == 0, slurm.describe(job)
+    assert "hvrep train: error: the output file system is full" in text, text[-3000:]
+    assert f"is full (exit 74; hvrep's message is above); not requeueing job {job}" in text, text[-3000:]
+    assert "stopped answering Slurm" not in text, text[-3000:]
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "74:0"), slurm.describe(job)
+
+
+def test_preemptible_job_is_not_requeued_when_the_output_file_system_fills_up(slurm, demo_data, tmp_path):
+    # A full output file system (issue 49): the chief meets ENOSPC writing a metrics.jsonl line (the fault
+    # campaign's hook fills a 48 MB tmpfs mounted as the output folder) and exits 74; the other rank's next
+    # collective fails ("Horovod has been shut down", exit 1), and srun returns 74. The script must say the disk is
+    # full, not requeue (a requeue would fill it again), not wait out SlurmdTimeout for a lost node, and end with 74.
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with _tmpfs(tmp_path / "mnt") as mnt:
+        out = mnt / "run"
+        log = tmp_path / "job.out"
+        job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
+                                                          "train.epochs=50", "train.log_every=1"],
+                      HVREP_FAULT="fill:metrics.write@4+0")
+        try:
+            info = _until_ended_or_requeued(slurm, job)
+        finally:
+            slurm.run(["scancel", str(job)], check=False)
+        assert list(out.rglob(".hvrep-fault-fill")), f"the fault never filled the disk.\n{log.read_text()[-3000:]}"
+    _assert_not_requeued_for_a_full_disk(slurm, job, info, log.read_text())
+
+
+def test_preemptible_job_knows_a_full_disk_when_srun_had_to_sigkill_another_rank(slurm, demo_data, tmp_path):
+    # The same full disk where a surviving rank cannot end by itself: on GPUs a rank inside an NCCL all-reduce
+    # never notices that its peer is gone, ignores the SIGTERM of srun --kill-on-bad-exit (hvrep's handler stops
+    # at the next step, which never comes) and is SIGKILLed after KillWait, so srun returns 137, not 74, and
+    # metrics.jsonl, on the full disk, has no `final` event to say why. Here rank 1 is such a rank (a shim that
+    # ignores SIGTERM and sleeps) and rank 0 is a real `hvrep train` on its own (one process, the launcher's
+    # variables removed), on the full disk: the script must still read the chief's line and act on 74.
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'source "{sys.prefix}/bin/activate"\nexport PATH="{venv}/bin:$PATH"\n')
+    shim = venv / "bin" / "hvrep"
+    shim.write_text(
+        "#!/bin/bash\n"
+        'if [[ $SLURM_PROCID == 1 ]]; then trap "" TERM; exec sleep 600; fi\n'
+        "unset $(compgen -e | grep -E '^(SLURM|PMIX|PMI|OMPI)_')\n"
+        f'exec "{sys.executable}" -m hvrep.cli "$@"\n')
+    shim.chmod(0o755)
+    with _tmpfs(tmp_path / "mnt") as mnt:
+        out = mnt / "run"
+        log = tmp_path / "job.out"
+        job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
+                                                          "train.epochs=50", "train.log_every=1"],
+                      HVREP_FAULT="fill:metrics.write@4+0", HVREP_VENV=str(venv))
+        try:
+            info = _until_ended_or_requeued(slurm, job)
+        finally:
+            slurm.run(["scancel", str(job)], check=False)
+        assert list(out.rglob(".hvrep-fault-fill")), f"the fault never filled the disk.\n{log.read_text()[-3000:]}"
+    text = log.read_text()
+    assert "srun exited 137" in text, text[-3000:]  # the premise: rank 1 was SIGKILLed
+    _assert_not_requeued_for_a_full_disk(slurm, job, info, text)

@@ -61,7 +61,8 @@ def test_a_run_that_crashed_has_no_final_event_even_when_an_earlier_run_had(tmp_
 
 def test_preemptible_counts_the_runs_before_srun_and_asks_about_its_own():
     script = (REPO / "slurm" / "preemptible.sbatch").read_text()
-    count, srun = script.index('runs_before=$(hvrep_runs "$out/metrics.jsonl")'), script.index("\nsrun ")
+    count = script.index('runs_before=$(hvrep_runs "$out/metrics.jsonl")')
+    srun = script.index("srun --mpi=pmix --kill-on-bad-exit")
     assert count < srun
     assert 'stopped=$(hvrep_run_stopped "$out/metrics.jsonl" "$runs_before")' in script[srun:]
 
