@@ -30,11 +30,16 @@ adds the 16 KB, 1-tensor ``all_reduce`` case re-run under variants (``HOROVOD_CY
 ``HVREP_HOROVOD_IDLE_WAIT_MS=0``, ``CommConfig(timeout_s=0)``: no watchdog markers, the watchdog's
 ``tf.py_function`` markers instead of its native ones, Gloo's ring instead of halving-doubling
 (``HVREP_GLOO_BCUBE_BYTES=0``), and ``HOROVOD_TIMELINE``,
-whose activities are summed per step): ``kind: "breakdown"`` lines.
+whose activities are summed per step): ``kind: "breakdown"`` lines; with 4 MB among the sizes, the 4 MB
+1-tensor case once more under ``HOROVOD_TIMELINE`` (variant ``timeline_4mb``: how much of its cost is inside
+``MPI_Allreduce``). Under ``mpirun`` the floor is also measured on buffers of 4 KB pages (``floor_small_pages``):
+numpy asks for transparent huge pages for arrays of 4 MB and more, TensorFlow's allocator does not, and Open MPI's
+single-copy transfer pins each page of the peer's buffer.
 
 JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
 without_us, cost_us, cost_median_us, cost_p10_us, cost_p90_us), ``floor`` (launcher, floor, bytes, us,
-median_us, or measured false and why), ``timeline`` (activity -> median µs per step), ``run`` (load average,
+median_us, or measured false and why), ``floor_small_pages`` (the same fields, mpirun), ``timeline``
+(bytes, tensors, activity -> median µs per step), ``run`` (load average,
 the command).
 """
 
@@ -69,6 +74,9 @@ LAUNCHERS = ("mpirun", "horovodrun")
 # (hvrep/compat/horovod_patches.py, GLOO_PATCHES; under mpirun it changes nothing).
 VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HVREP_HOROVOD_IDLE_WAIT_MS": "0"},
             "watchdog_off": {}, "py_markers": {}, "gloo_ring": {"HVREP_GLOO_BCUBE_BYTES": "0"}}
+# The case a variant launch runs: (bytes, tensors); every variant but these runs the 16 KB, 1-tensor case.
+# "timeline_4mb": Horovod's timeline of the 4 MB one-tensor all_reduce (what of its cost is inside MPI).
+VARIANT_CASE = {"timeline_4mb": (4 << 20, 1)}
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
 
 
@@ -190,7 +198,7 @@ def _worker(args: argparse.Namespace) -> int:
     contenders: dict[tuple, Any] = {}  # (entry, G, n, "with"|"with_flush_off"|"without") or ("floor", G) -> a call
     for nbytes in args.sizes:
         for n in TENSORS:
-            if args.variant != "default" and (nbytes, n) != (16 << 10, 1):
+            if args.variant != "default" and (nbytes, n) != VARIANT_CASE.get(args.variant, (16 << 10, 1)):
                 continue
             each = [nbytes // 4 // n + (1 if i < (nbytes // 4) % n else 0) for i in range(n)]
             xs = [tf.constant(np.full(k, 1.0 + rank, np.float32)) for k in each]
@@ -224,6 +232,15 @@ def _worker(args: argparse.Namespace) -> int:
                 send = np.full(nbytes // 4, 1.0 + rank, np.float32)
                 recv = np.empty_like(send)
                 contenders[("floor", nbytes)] = lambda s=send, r=recv: mpi.COMM_WORLD.Allreduce(s, r, op=mpi.SUM)
+                # The same on buffers of 4 KB pages: numpy asks for transparent huge pages for arrays of 4 MB and
+                # more (madvise), TensorFlow's allocator does not, and Open MPI's single-copy transfer (CMA) pins
+                # every page of the peer's buffer: the floor's transport on memory like the reduction's.
+                huge = np.core.multiarray._get_madvise_hugepage()
+                np.core.multiarray._set_madvise_hugepage(False)
+                small = (np.full(nbytes // 4, 1.0 + rank, np.float32), np.empty(nbytes // 4, np.float32))
+                np.core.multiarray._set_madvise_hugepage(huge)
+                contenders[("floor_small_pages", nbytes)] = lambda b=small: mpi.COMM_WORLD.Allreduce(b[0], b[1],
+                                                                                                       op=mpi.SUM)
             else:
                 contenders[("floor", nbytes)] = nbytes
 
@@ -264,7 +281,11 @@ def _worker(args: argparse.Namespace) -> int:
     records = []
     col = {key: [round(float(v), 2) for v in slowest[:, i]] for i, key in enumerate(keys)}
     for key in keys:
-        if key[0] == "floor":
+        if key[0] == "floor_small_pages":
+            us = col[key]
+            records.append({**base, "kind": "floor_small_pages", "bytes": key[1], "floor": "mpi4py_allreduce",
+                            "us": us, "median_us": round(float(np.median(us)), 2)})
+        elif key[0] == "floor":
             us = col[key]
             records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
                             "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
@@ -324,8 +345,9 @@ def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argpar
             raise RuntimeError(f"{launcher} {variant}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}")
         timeline = Path(extra.get("HOROVOD_TIMELINE", ""))
         if extra.get("HOROVOD_TIMELINE") and timeline.exists():
+            nbytes, tensors = VARIANT_CASE.get(variant, (16 << 10, 1))
             records.append({"benchmark": BENCHMARK, "run_id": run_id, "launcher": launcher, "variant": variant,
-                            "kind": "timeline", "bytes": 16 << 10, "tensors": 1,
+                            "kind": "timeline", "bytes": nbytes, "tensors": tensors,
                             "activities_us": timeline_activities(timeline)})
     return records
 
@@ -402,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         if breakdown:
             with tempfile.TemporaryDirectory(prefix="step-overhead-tl-") as tmp:
                 variants = {**VARIANTS, "timeline": {"HOROVOD_TIMELINE": f"{tmp}/timeline.json"}}
+                variants["timeline_4mb"] = {"HOROVOD_TIMELINE": f"{tmp}/timeline_4mb.json"}
                 for name, extra in variants.items():
+                    if VARIANT_CASE.get(name, (16 << 10, 1))[0] not in args.sizes:
+                        continue  # its case is not among the sizes asked for
                     records += _one_launch(launcher, name, extra, args, run_id)
     load.append(round(os.getloadavg()[0], 2))
     records.append({"benchmark": BENCHMARK, "run_id": run_id, "kind": "run", "load_1min": load,
@@ -417,8 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         elif rec["kind"] == "floor":
             print(f"{rec['launcher']:10s} floor {rec['floor']:20s} {rec['bytes']:>9d} B "
                   + (f"{rec['median_us']:9.1f} us" if rec["measured"] else f"not measured: {rec['why']}"))
+        elif rec["kind"] == "floor_small_pages":
+            print(f"{rec['launcher']:10s} floor on 4 KB pages {rec['bytes']:>9d} B {rec['median_us']:9.1f} us")
         elif rec["kind"] == "timeline":
-            print(f"{rec['launcher']:10s} timeline {rec['activities_us']}")
+            print(f"{rec['launcher']:10s} timeline {rec['bytes']:>9d} B {rec['activities_us']}")
     print(f"wrote {len(records)} line(s) to {args.out}")
     return 0
 

@@ -92,15 +92,24 @@ def render_step_overhead(records: list[dict[str, Any]], out_dir: str | Path) -> 
                          f"[{r['cost_p10_us']:.0f}-{r['cost_p90_us']:.0f}] |")
     for t in (r for r in mine if r["kind"] == "timeline"):
         acts = t["activities_us"]
-        lines += ["", f"Horovod timeline, {t['launcher']}, 16 KB (median µs per occurrence): "
+        nbytes = t.get("bytes", 16 << 10)
+        lines += ["", f"Horovod timeline, {t['launcher']}, {_size(nbytes)} (median µs per occurrence): "
                   + ", ".join(f"{k} {v:g}" for k, v in acts.items() if k.isupper())]
-        cost = next((r for r in variants if r["launcher"] == t["launcher"] and r["variant"] == "timeline"), None)
+        cost = next((r for r in mine if r["kind"] == "cost" and r["launcher"] == t["launcher"]
+                     and r["variant"] == t["variant"] and r["bytes"] == nbytes and r["tensors"] == 1
+                     and r["entry"] == "all_reduce"), None)
         inside = acts.get("NEGOTIATE_ALLREDUCE", 0.0) + acts.get("ALLREDUCE", 0.0)
         if cost is not None:
             lines += ["", f"Of that launch's {cost['cost_median_us']:.0f} µs per step, Horovod's timeline holds "
                       f"{inside:.0f} µs (negotiation + the ALLREDUCE span: fusion copies, transfer, output); the "
                       f"other {cost['cost_median_us'] - inside:.0f} µs lie outside it (enqueue, the background "
                       "thread's wake-up and cycle wait, the completion callback; inferred, not measured)."]
+    small = sorted((r for r in mine if r["kind"] == "floor_small_pages"), key=lambda r: r["bytes"])
+    if small:
+        floors = ", ".join(f"{_size(r['bytes'])} {r['median_us']:.0f} µs" for r in small)
+        lines += ["", "The MPI floor on buffers of 4 KB pages (numpy's arrays of 4 MB and more ask for transparent "
+                  "huge pages, TensorFlow's buffers do not; Open MPI's single-copy transfer pins every page): "
+                  f"{floors}."]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / _MD
