@@ -284,14 +284,7 @@ def test_preemptible_job_is_not_requeued_when_the_ranks_run_different_collective
     log = tmp_path / "job.out"
     job = _submit(slurm, "preemptible.sbatch", log, [f"output_dir={tmp_path / 'run'}"], HVREP_VENV=str(venv))
     try:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        info = slurm.job(job)
-        # Ended, or requeued (the failure this test is about): whichever comes first.
-        while info["JobState"] not in TERMINAL_STATES and int(info.get("Restarts", 0)) == 0:
-            if time.monotonic() > deadline:
-                pytest.fail(f"job {job} still running after {JOB_TIMEOUT} s.\n{slurm.describe(job)}")
-            time.sleep(1)
-            info = slurm.job(job)
+        info = _until_ended_or_requeued(slurm, job)  # requeued is the failure this test is about
     finally:
         slurm.run(["scancel", str(job)], check=False)
     text = log.read_text()
@@ -312,6 +305,7 @@ def _tmpfs(folder: Path, size: str = "48m") -> Iterator[Path]:
 
 
 def _until_ended_or_requeued(slurm: LocalSlurm, job: int) -> dict[str, str]:
+    """The job's state once it has ended or been requeued, whichever comes first (a test fails past JOB_TIMEOUT)."""
     deadline = time.monotonic() + JOB_TIMEOUT
     info = slurm.job(job)
     while info["JobState"] not in TERMINAL_STATES and int(info.get("Restarts", 0)) == 0:
