@@ -77,6 +77,11 @@ VARIANTS = {"cycle_time_0.1": {"HOROVOD_CYCLE_TIME": "0.1"}, "idle_wait_0": {"HV
 # The case a variant launch runs: (bytes, tensors); every variant but these runs the 16 KB, 1-tensor case.
 # "timeline_4mb": Horovod's timeline of the 4 MB one-tensor all_reduce (what of its cost is inside MPI).
 VARIANT_CASE = {"timeline_4mb": (4 << 20, 1)}
+
+
+def _case(variant: str) -> tuple[int, int]:
+    """(bytes, tensors) of the one case a variant launch runs."""
+    return VARIANT_CASE.get(variant, (16 << 10, 1))
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
 
 
@@ -198,7 +203,7 @@ def _worker(args: argparse.Namespace) -> int:
     contenders: dict[tuple, Any] = {}  # (entry, G, n, "with"|"with_flush_off"|"without") or ("floor", G) -> a call
     for nbytes in args.sizes:
         for n in TENSORS:
-            if args.variant != "default" and (nbytes, n) != VARIANT_CASE.get(args.variant, (16 << 10, 1)):
+            if args.variant != "default" and (nbytes, n) != _case(args.variant):
                 continue
             each = [nbytes // 4 // n + (1 if i < (nbytes // 4) % n else 0) for i in range(n)]
             xs = [tf.constant(np.full(k, 1.0 + rank, np.float32)) for k in each]
@@ -345,7 +350,7 @@ def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argpar
             raise RuntimeError(f"{launcher} {variant}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}")
         timeline = Path(extra.get("HOROVOD_TIMELINE", ""))
         if extra.get("HOROVOD_TIMELINE") and timeline.exists():
-            nbytes, tensors = VARIANT_CASE.get(variant, (16 << 10, 1))
+            nbytes, tensors = _case(variant)
             records.append({"benchmark": BENCHMARK, "run_id": run_id, "launcher": launcher, "variant": variant,
                             "kind": "timeline", "bytes": nbytes, "tensors": tensors,
                             "activities_us": timeline_activities(timeline)})
@@ -426,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 variants = {**VARIANTS, "timeline": {"HOROVOD_TIMELINE": f"{tmp}/timeline.json"}}
                 variants["timeline_4mb"] = {"HOROVOD_TIMELINE": f"{tmp}/timeline_4mb.json"}
                 for name, extra in variants.items():
-                    if VARIANT_CASE.get(name, (16 << 10, 1))[0] not in args.sizes:
+                    if _case(name)[0] not in args.sizes:
                         continue  # its case is not among the sizes asked for
                     records += _one_launch(launcher, name, extra, args, run_id)
     load.append(round(os.getloadavg()[0], 2))

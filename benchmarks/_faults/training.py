@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,18 @@ def reference(cache: Path, launcher: str) -> dict[str, Any]:
             raise RuntimeError(f"the reference run under {launcher} failed ({code}): see {run / 'log.txt'}")
         (run / "done").write_text("")
     return _weights(run / "out")
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str = "48m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``folder`` (made if missing) while the block runs: a small output file system
+    to fill up (root only). Unmounted lazily afterwards, even if the block failed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def _lines(path: Path) -> list[str]:
@@ -351,14 +364,8 @@ class DiskFull(_TrainingKind):
         # stop that save (`fill:metrics.write@6` stopped step 5's: the campaign of 2026-11-27 wrongly counted it).
         return SAVES[n - 2] if inj.point.startswith("ckpt.") else (n - 2) // INTERVAL * INTERVAL
 
-    @contextlib.contextmanager
-    def mount(self, folder: Path):
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(folder)], check=True)
-        try:
-            yield
-        finally:
-            subprocess.run(["umount", "-l", str(folder)], check=False)
+    def mount(self, folder: Path) -> contextlib.AbstractContextManager[Path]:
+        return tmpfs(folder)
 
     def make_space(self, run: Path) -> None:
         from hvrep.train.faultpoint import FILL_NAME

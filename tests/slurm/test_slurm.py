@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks._faults.training import tmpfs
 from hvrep.data import write_demo
 from hvrep.errors import EXIT_MISMATCH
 from tests.slurm.slurm_cluster import TERMINAL_STATES, LocalSlurm, SlurmError, SlurmUnavailable, ensure_slurm
@@ -294,16 +295,6 @@ def test_preemptible_job_is_not_requeued_when_the_ranks_run_different_collective
     assert f"not requeueing job {job}" in text, text[-3000:]
 
 
-@contextlib.contextmanager
-def _tmpfs(folder: Path, size: str = "48m") -> Iterator[Path]:
-    folder.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
 def _until_ended_or_requeued(slurm: LocalSlurm, job: int) -> dict[str, str]:
     """The job's state once it has ended or been requeued, whichever comes first (a test fails past JOB_TIMEOUT)."""
     deadline = time.monotonic() + JOB_TIMEOUT
@@ -331,7 +322,7 @@ def test_preemptible_job_is_not_requeued_when_the_output_file_system_fills_up(sl
     # full, not requeue (a requeue would fill it again), not wait out SlurmdTimeout for a lost node, and end with 74.
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    with _tmpfs(tmp_path / "mnt") as mnt:
+    with tmpfs(tmp_path / "mnt") as mnt:
         out = mnt / "run"
         log = tmp_path / "job.out"
         job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",
@@ -364,7 +355,7 @@ def test_preemptible_job_knows_a_full_disk_when_srun_had_to_sigkill_another_rank
         "unset $(compgen -e | grep -E '^(SLURM|PMIX|PMI|OMPI)_')\n"
         f'exec "{sys.executable}" -m hvrep.cli "$@"\n')
     shim.chmod(0o755)
-    with _tmpfs(tmp_path / "mnt") as mnt:
+    with tmpfs(tmp_path / "mnt") as mnt:
         out = mnt / "run"
         log = tmp_path / "job.out"
         job = _submit(slurm, "preemptible.sbatch", log, [f"data.data_dir={demo_data}", f"output_dir={out}",

@@ -12,40 +12,21 @@ mount), as the campaign.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
+from benchmarks._faults.training import tmpfs
 from hvrep.errors import EXIT_NO_SPACE
+from hvrep.train import faultpoint
 from hvrep.train import main as train_main
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
-@contextlib.contextmanager
-def _tmpfs(size: str):
-    folder = Path(tempfile.mkdtemp(prefix="hvrep-nospace-"))
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-def _fill(folder: Path) -> None:
-    from hvrep.train.faultpoint import _fill
-
-    _fill(folder, 0)
-
-
-def test_tensorboard_meeting_a_full_disk_exits_74_with_one_line(demo_data, monkeypatch, capsys):
-    with _tmpfs("1m") as out:
+def test_tensorboard_meeting_a_full_disk_exits_74_with_one_line(demo_data, monkeypatch, capsys, tmp_path):
+    with tmpfs(tmp_path / "mnt", "1m") as out:
         seen: dict = {}
 
         def run(cfg, resume, overwrite):  # stands in for the training: the metrics writer, for real
@@ -53,7 +34,7 @@ def test_tensorboard_meeting_a_full_disk_exits_74_with_one_line(demo_data, monke
 
             metrics = MetricsWriter(Path(cfg.output_dir), enabled=True)
             metrics.write("config", note="a short first line")
-            _fill(Path(cfg.output_dir))
+            faultpoint._fill(Path(cfg.output_dir), 0)  # the campaign's fill, leaving 0 bytes
             for step in range(1, 200):
                 seen["step"] = step
                 metrics.write("train", step, **{f"value{i}": float(i) for i in range(10)})
