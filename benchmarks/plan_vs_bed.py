@@ -105,13 +105,17 @@ def predict_point(profile_json: Mapping[str, Any], link_gbit: float, scheme: str
 
     ``compute_s``: the contended compute time to plan with (the bed's no-reduction step, timed in the same
     rounds as the schemes), in place of the profile's forward + backward; the profile's split between the
-    two is kept. None: the profile's own.
+    two is kept. The profile's other work on the ranks' cores, its codec and γ (the reduction's arithmetic),
+    is scaled by the same factor: the load that stretched the compute between the profile and the bed
+    stretches them alike. None: the profile's own.
     """
     profile = planlib.Profile.from_dict(profile_json)
     if compute_s is not None:
         scale = compute_s / profile.compute_s
         profile = dataclasses.replace(profile, forward_s=profile.forward_s * scale,
-                                      backward_s=profile.backward_s * scale)
+                                      backward_s=profile.backward_s * scale,
+                                      codec_s={k: v * scale for k, v in profile.codec_s.items()},
+                                      gamma_s_per_byte={k: v * scale for k, v in profile.gamma_s_per_byte.items()})
     cluster = planlib.Cluster.from_dict(bed_cluster(link_gbit))
     row = planlib.predict(profile, cluster, planlib.Scheme.parse(scheme), hosts)
     return {"predicted_step_s": row.step_s, "predicted_efficiency": row.efficiency, "plan": row.as_dict(),

@@ -306,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="small_resnet's width (default its own, 16; 64: the model benchmarks/multihost.py trains)")
     nd.add_argument("--data", default=None, help="time hvrep's input pipeline on this folder (default: synthetic)")
     nd.add_argument("--max-bytes", type=int, default=None, help="largest all-reduce (default 256 MB; --quick 1 MB)")
+    nd.add_argument("--powersgd-ranks", default="1,2,4",
+                    help="PowerSGD ranks whose codec to time (the plan's powersgd:R needs its R among them)")
     nd.add_argument("--quick", action="store_true", help="a few sizes and repeats: seconds, for tests")
     nd.add_argument("--out", type=Path, default=Path("results/node-profile.json"))
     args = parser.parse_args(argv)

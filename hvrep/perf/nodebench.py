@@ -11,8 +11,13 @@ seconds past TensorFlow's start, for tests):
 * all-reduce (sum, float32, through ``hvrep.all_reduce``) of 4 KB to 256 MB between the node's ranks:
   each call after a barrier, the slowest rank's time, median over repeats; algbw = bytes / time, busbw =
   algbw × 2(N−1)/N (as nccl-tests), and a fit time = a + 2(N−1)/N · bytes / B;
+* the same all-reduce of float16 (4 KB to 16 MB): its fit's per-byte cost beyond float32's is the plan's γ of
+  float16, what the library's reduction arithmetic costs (Gloo sums float16 in software on a CPU);
 * the model's step per replica at the given batch, every rank at once (the node's contention): forward
   alone, forward + backward, the whole step without the gradient reduction, and with it;
+* the codec of each scheme on the model's gradients, every rank at once: hvrep's packing and unpacking of the
+  buckets (fp32), the same with fp16's casts, and PowerSGD's factors, orthogonalisation and error feedback at
+  each rank of ``powersgd_ranks``, with the collectives left out (what a step pays around them);
 * the input pipeline's images/s (``--data``: hvrep's tf.data pipeline on that folder; without it, the
   synthetic in-memory batch, recorded as such and not given to the plan);
 * host-to-device copy GB/s where there is a GPU.
@@ -43,6 +48,9 @@ SCHEMA = "hvrep.node_profile/1"
 # 4 KB to 256 MB in steps of 4x: the span nccl-tests' all_reduce_perf is usually run over.
 SIZES = tuple(4096 * 4**i for i in range(9))
 QUICK_SIZES = (4096, 65536, 1048576)
+# float16's sweep stops at 16 MB: enough sizes for its slope, a fraction of float32's time.
+FLOAT16_MAX_BYTES = 16 << 20
+POWERSGD_RANKS = (1, 2, 4)
 
 
 def _repeats(nbytes: int, quick: bool) -> int:
@@ -90,9 +98,58 @@ def fit_link(points: Sequence[dict[str, float]], ranks: int) -> dict[str, float]
     return {"fixed_s": fixed, "latency_us": fixed / (2 * (ranks - 1)) * 1e6, "bandwidth_GBps": 1 / slope / 1e9}
 
 
+def float16_gamma(fit32: dict[str, float] | None, fit16: dict[str, float] | None) -> float | None:
+    """γ of float16: seconds per byte its reduction costs beyond float32's, from the two link fits.
+
+    Both fits are t = a + 2(N−1)/N · bytes / B; the γ term adds (N−1)/N · bytes · γ to float16's, so
+    γ = 2 (1/B16 − 1/B32) (B in bytes/s), and 0 where float16 is not slower per byte (MPI's, a GPU's).
+    """
+    if not fit32 or not fit16:
+        return None
+    return max(0.0, 2 * (1 / (fit16["bandwidth_GBps"] * 1e9) - 1 / (fit32["bandwidth_GBps"] * 1e9)))
+
+
+class _NoCollectives:
+    """A backend whose all-reduce returns its input: what PowerSGD computes around its collectives, alone."""
+
+    collectives_in_cond = True
+
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
+
+    def all_reduce(self, tensors: Sequence[Any], op: str, compress: bool = False) -> list[Any]:
+        import tensorflow as tf
+
+        return [tf.identity(t) for t in tensors]
+
+
+def codec_functions(variables: Sequence[Any], grads: Sequence[Any], num_replicas: int, threshold: int,
+                    powersgd_ranks: Sequence[int]) -> dict[str, Callable[[], Any]]:
+    """Per scheme, a compiled step of the codec on ``grads`` with the collectives taken out: ``fp32`` (hvrep's
+    packing of the buckets and the mean's scaling, unpacking), ``fp16`` (the same with the casts), and
+    ``powersgd:R`` (its products, orthogonalisation, approximation and error feedback, its state updated)."""
+    import tensorflow as tf
+
+    from hvrep.replica import fusion
+    from hvrep.replica.comm import CommConfig
+    from hvrep.replica.powersgd import PowerSGDState
+
+    def packed(wire: Any) -> Callable[[], Any]:
+        return tf.function(lambda: fusion.fused_reduce(list(grads), tf.identity, threshold, wire_dtype=wire,
+                                                       prescale=1.0 / num_replicas))
+
+    out = {"fp32": packed(None), "fp16": packed(tf.float16)}
+    local = _NoCollectives(num_replicas)
+    for r in powersgd_ranks:
+        state = PowerSGDState(variables, CommConfig(compression="powersgd", powersgd_rank=r), num_replicas)
+        out[f"powersgd:{r}"] = tf.function(lambda state=state: state.reduce(list(grads), "mean", local))
+    return out
+
+
 def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, image_size: int = 32,
                  quick: bool = False, data_dir: str | None = None, max_bytes: int | None = None,
-                 steps: int | None = None, width: int | None = None) -> dict[str, Any]:
+                 steps: int | None = None, width: int | None = None,
+                 powersgd_ranks: Sequence[int] = POWERSGD_RANKS) -> dict[str, Any]:
     """Measures this node on every rank (run under the launcher); returns the profile (the same on every rank)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -133,15 +190,17 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
     def barrier() -> None:
         sync(repl.run(reduce_sum, args=(flag,)))
 
-    points: list[dict[str, Any]] = []
-    checked = None
     sizes = [s for s in (QUICK_SIZES if quick else SIZES) if max_bytes is None or s <= max_bytes]
-    if n > 1:
+
+    def sweep(dtype: Any, sizes: Sequence[int]) -> tuple[list[dict[str, Any]], bool | None]:
+        points: list[dict[str, Any]] = []
+        if n < 2:
+            return points, None
         rank_value = float(placement.rank + 1) if repl.backend == "horovod" else 1.0
         expected = n * (n + 1) / 2 if repl.backend == "horovod" else float(n)
         checked = True
         for nbytes in sizes:
-            x = tf.fill([nbytes // 4], rank_value)
+            x = tf.fill([nbytes // dtype.size], tf.constant(rank_value, dtype))
             reduce_once = lambda x=x: repl.run(reduce_sum, args=(x,))  # noqa: E731
             got = sync(reduce_once())
             checked = checked and bool(got[0] == expected and got[-1] == expected)
@@ -159,7 +218,13 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             points.append({"bytes": nbytes, "seconds": seconds, "seconds_min": float(np.min(slowest)),
                            "seconds_max": float(np.max(slowest)), "repeats": len(mine), "algbw_GBps": alg,
                            "busbw_GBps": alg * 2 * (n - 1) / n})
+        return points, checked
+
+    points, checked = sweep(tf.float32, sizes)
     link = fit_link(points, n)
+    points16, checked16 = sweep(tf.float16, [s for s in sizes if s <= FLOAT16_MAX_BYTES])
+    link16 = fit_link(points16, n)
+    gamma16 = float16_gamma(link, link16)
 
     # --- the model's step, every rank at once ---
     num_classes = 1000 if model_name == "resnet50" else 10
@@ -215,6 +280,21 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             sync(repl.run(fn, args=(x, y)))
             times[name].append(time.perf_counter() - t0)
     timed = {name: statistics.median(ts) for name, ts in times.items()}
+
+    # --- the codec of each scheme, on this model's gradients, every rank at once ---
+    grads = [tf.convert_to_tensor(g) for g in forward_backward(x, y)[1]]  # eager, this rank's own
+    codecs = codec_functions(variables, grads, n, repl._backend.fusion_threshold_bytes, powersgd_ranks)
+    for fn in codecs.values():
+        fn()
+    codec_times: dict[str, list[float]] = {name: [] for name in codecs}
+    for _ in range(steps):
+        for name, fn in codecs.items():
+            barrier()
+            t0 = time.perf_counter()
+            last = [t for t in tf.nest.flatten(fn()) if t is not None][-1]
+            tf.reshape(last, [-1])[:1].numpy()  # a device runs in order: its last output's first value is the end
+            codec_times[name].append(time.perf_counter() - t0)
+    codec = {name: statistics.median(ts) for name, ts in codec_times.items()}
     backward = max(timed["forward_backward_s"] - timed["forward_s"], 1e-9)
     rest = max(timed["step_no_reduce_s"] - backward, 0.0)
 
@@ -273,6 +353,9 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
         "allreduce": {"backend": backend, "dtype": "float32", "op": "sum", "points": points, "fit": link,
                       "result_checked": checked,
                       "nccl": "built to Horovod's API, never run by hvrep's tests" if backend == "nccl" else None},
+        "allreduce_float16": {"points": points16, "fit": link16, "result_checked": checked16,
+                              "gamma_s_per_byte": gamma16},
+        "codec_s": codec, "codec_spread_s": {name: [min(ts), max(ts)] for name, ts in codec_times.items()},
         "model": {"name": model_name, "width": width, "per_replica_batch": per_replica_batch, "image_size": image_size,
                   "grad_bytes": grad_bytes, "tensors": len(shapes), "steps_timed": steps},
         "step": timed, "step_spread_s": {name: [min(ts), max(ts)] for name, ts in times.items()},
@@ -292,6 +375,8 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             # collective, and the link's hop latency as 0.
             "beta_s": DEFAULT_BETA_TENSOR_S if link is None else link["fixed_s"],
             "input_images_per_sec": node_ips if data_dir else None,
+            "gamma_s_per_byte": {} if gamma16 is None else {"float16": gamma16},
+            "codec_s": codec,
             "source": f"hvrep bench node, {n} rank(s) via {placement.launcher} on {platform.node()}",
         },
         "intra_node_link": None if link is None else {
@@ -312,6 +397,13 @@ def format_profile(p: dict[str, Any]) -> str:
     if fit:
         lines.append(f"  fit: {1e6 * fit['fixed_s']:.0f} µs per call + bytes at {fit['bandwidth_GBps']:.3f} GB/s bus "
                      "bandwidth")
+    half = p.get("allreduce_float16") or {}
+    if half.get("fit"):
+        gamma = half["gamma_s_per_byte"]
+        lines.append(f"  float16 fit: {1e6 * half['fit']['fixed_s']:.0f} µs per call + bytes at "
+                     f"{half['fit']['bandwidth_GBps']:.3f} GB/s: γ {1e9 * gamma:.2f} ns per byte beyond float32")
+    if p.get("codec_s"):
+        lines.append("  codec per step: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in p["codec_s"].items()))
     s, m = p["step"], p["model"]
     lines.append(f"  {m['name']} batch {m['per_replica_batch']}: forward {1e3 * s['forward_s']:.1f} ms, forward+"
                  f"backward {1e3 * s['forward_backward_s']:.1f} ms, step without reduction "
@@ -332,8 +424,16 @@ def main(args: Any) -> int:
     if width is not None and (width < 1 or args.model != "small_resnet"):
         raise ConfigError(f"--width {width} applies to --model small_resnet only and must be >= 1. Fix: drop it, "
                           "or use --model small_resnet.")
+    text = getattr(args, "powersgd_ranks", None) or ",".join(map(str, POWERSGD_RANKS))
+    try:
+        ranks = tuple(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        ranks = ()
+    if not ranks or min(ranks) < 1:
+        raise ConfigError(f"--powersgd-ranks must be comma-separated whole numbers >= 1, got {text!r}. Fix: e.g. "
+                          "--powersgd-ranks 1,2,4.")
     profile = node_profile(args.model, args.per_replica_batch, args.image_size, quick=args.quick,
-                           data_dir=args.data, max_bytes=args.max_bytes, width=width)
+                           data_dir=args.data, max_bytes=args.max_bytes, width=width, powersgd_ranks=ranks)
     import hvrep
 
     if hvrep.resolve_placement().rank == 0:

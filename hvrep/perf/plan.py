@@ -22,11 +22,18 @@ equations, with their sources, are in docs/planning.md:
   launched, ahead of their data: static groups, each sent when its last gradient is ready, back to back with
   no tick between them. Exposed communication = when the last collective ends − when the backward pass ends;
 * negotiation: β per collective (Horovod's coordination of which tensors are ready), not overlapped;
+* the reduction's arithmetic (the γ term of Thakur et al.): each device sums (N−1)/N of a ring's bytes (in
+  a hierarchical all-reduce (g−1)/g in the node and (M−1)/M of a 1/g shard between nodes); the profile's γ
+  of a wire dtype is what that costs per byte beyond float32 (whose arithmetic the measured link already
+  carries), e.g. float16 summed in software by Gloo on a CPU without half-precision arithmetic;
+* the codec: what a device spends per step around the collectives in series with its compute (hvrep's
+  packing of the buckets, fp16's casts, PowerSGD's products, orthogonalisation and error feedback), from the
+  profile per scheme;
 * input: the node's pipeline must deliver g·batch images per step; prefetching hides it behind the rest, so
-  the step is max(compute + exposed communication + negotiation, g·batch / input images/s).
+  the step is max(compute + codec + exposed communication + negotiation, g·batch / input images/s).
 
-Left out: congestion and oversubscribed fabrics, stragglers, NCCL's tree algorithm, the CPU cost of fp16 casts
-and of PowerSGD's factors, and any change in the number of steps a scheme needs to reach an accuracy (local
+Left out: congestion and oversubscribed fabrics, stragglers, NCCL's tree algorithm, a codec or γ the profile
+does not give (counted 0), and any change in the number of steps a scheme needs to reach an accuracy (local
 SGD and PowerSGD change the optimisation; their time to train assumes the same epochs).
 """
 
@@ -37,7 +44,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +98,11 @@ class Profile:
         5 ms before): a collective starts only at a cycle's tick; 0 means at once.
       input_images_per_sec: the node's input pipeline, images/s, or None (not limiting).
       state_bytes: non-trainable float state local SGD averages with the weights (batch-norm statistics).
+      gamma_s_per_byte: per wire dtype ("float16"), the seconds per byte a device's reduction arithmetic
+        costs beyond float32's, charged on the bytes the device sums (γ of Thakur et al. 2005); absent: 0.
+      codec_s: per scheme ("fp32", "fp16", "powersgd:R"), the seconds per step a device spends around its
+        collectives in series with its compute (packing and unpacking the buckets, casts, PowerSGD's
+        factors and error feedback); local SGD pays "fp32"'s on its synchronising steps; absent: 0.
       source: where the figures came from (measured, or the publications).
     """
 
@@ -108,6 +120,8 @@ class Profile:
     bucketing: str = "dynamic"
     input_images_per_sec: float | None = None
     state_bytes: float = 0.0
+    gamma_s_per_byte: Mapping[str, float] = field(default_factory=dict)
+    codec_s: Mapping[str, float] = field(default_factory=dict)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -125,6 +139,12 @@ class Profile:
                               "'static' for hvrep's buckets, 'dynamic' for Horovod's Tensor Fusion (docs/planning.md).")
         if self.input_images_per_sec is not None:
             _positive("input_images_per_sec", self.input_images_per_sec)
+        for what, table in (("gamma_s_per_byte", self.gamma_s_per_byte), ("codec_s", self.codec_s)):
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"{what} must be an object of name -> seconds, got {table!r}. Fix: e.g. "
+                                  f'{{"float16": 8e-9}} (docs/planning.md).')
+            for key, value in table.items():
+                _positive(f"{what}[{key!r}]", value, zero=True)
         if self.layers is not None and not self.layers:
             raise ConfigError("layers is empty. Fix: list (bytes, backward seconds) per gradient, or leave it out.")
 
@@ -166,6 +186,7 @@ class Profile:
                 fusion_threshold_bytes=src.get("fusion_threshold_bytes", DEFAULT_FUSION_THRESHOLD_BYTES),
                 cycle_s=src.get("cycle_s", 1e-3), bucketing=src.get("bucketing", "dynamic"),
                 input_images_per_sec=src.get("input_images_per_sec"), state_bytes=src.get("state_bytes", 0.0),
+                gamma_s_per_byte=src.get("gamma_s_per_byte") or {}, codec_s=src.get("codec_s") or {},
                 source=str(src.get("source", "")))
         except KeyError as e:
             raise ConfigError(f"the profile has no {e.args[0]!r}. Fix: write it with `hvrep bench node`, or add "
@@ -240,6 +261,20 @@ def allreduce_s(nbytes: float, nodes: int, cluster: Cluster, topology: str = "ri
     intra = 2 * (g - 1) * ai + 2 * (g - 1) / g * nbytes / bi if g > 1 else 0.0
     hops = 2 * math.ceil(math.log2(m)) if cluster.inter_algorithm == "halving_doubling" else 2 * (m - 1)
     return intra + hops * ae + 2 * (m - 1) / m * nbytes / be
+
+
+def reduced_share(nodes: int, cluster: Cluster, topology: str = "ring") -> float:
+    """The share of an all-reduce's bytes each device sums (the γ term's; a reduce-scatter's sums, Thakur et al.
+    2005): (N−1)/N in a ring; in the hierarchical all-reduce (g−1)/g in the node, then (M−1)/M of its 1/g shard
+    between the nodes (each of a node's devices reduces one shard across the nodes, as Horovod's hierarchical
+    all-reduce and NCCL's do)."""
+    g, m = cluster.devices_per_node, nodes
+    n = g * m
+    if n == 1:
+        return 0.0
+    if topology == "ring" or m == 1:
+        return (n - 1) / n
+    return (g - 1) / g + (m - 1) / m / g
 
 
 @dataclass(frozen=True)
@@ -333,9 +368,15 @@ class StepPrediction:
     images_per_sec: float
     efficiency: float  # images/s ÷ (devices × one device's images/s with no reduction)
     time_to_train_s: float | None = None
+    codec_s: float = 0.0  # per step, in series with the compute (local SGD: averaged over H)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
+
+
+def _codec_key(scheme: Scheme) -> str:
+    """The profile's codec_s entry a scheme pays (local SGD's synchronisation goes through the fp32 buckets)."""
+    return {"powersgd": f"powersgd:{scheme.rank}", "local": "fp32"}.get(scheme.compression, scheme.compression)
 
 
 def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, overlap_backward: bool = True,
@@ -344,8 +385,12 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
     _count("nodes", nodes)
     devices = nodes * cluster.devices_per_node
 
+    # γ: the reduction's arithmetic beyond float32's, for the wire dtype (only fp16 sends anything but float32).
+    gamma = profile.gamma_s_per_byte.get("float16", 0.0) if scheme.compression == "fp16" else 0.0
+    share = reduced_share(nodes, cluster, scheme.topology)
+
     def one(nbytes: float) -> float:
-        return allreduce_s(nbytes, nodes, cluster, scheme.topology)
+        return allreduce_s(nbytes, nodes, cluster, scheme.topology) + share * nbytes * gamma
 
     threshold = profile.fusion_threshold_bytes
     if devices == 1:
@@ -375,11 +420,12 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
         sync = [(profile.backward_s, profile.grad_bytes + profile.state_bytes)]
         comm = overlap(sync, profile.backward_s, one, threshold, after_backward=True)
         per = 1.0 / scheme.local_steps
+    codec = 0.0 if devices == 1 else profile.codec_s.get(_codec_key(scheme), 0.0) * per
     exposed = comm.exposed_s * per
     negotiation = comm.collectives * profile.beta_s * per
     busy = comm.busy_s * per
     compute = profile.compute_s
-    inner = compute + exposed + negotiation
+    inner = compute + codec + exposed + negotiation
     stall = 0.0
     if profile.input_images_per_sec is not None:
         need = cluster.devices_per_node * profile.per_replica_batch / profile.input_images_per_sec
@@ -394,7 +440,7 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
         steps = math.ceil(epochs * images / (devices * profile.per_replica_batch))
         ttt = steps * step
     return StepPrediction(scheme.name, nodes, devices, compute, exposed, negotiation, stall, busy,
-                          comm.collectives * per, step, ips, ips / (devices * single), ttt)
+                          comm.collectives * per, step, ips, ips / (devices * single), ttt, codec)
 
 
 def plan(profile: Profile, cluster: Cluster, schemes: Iterable[Scheme], nodes: Iterable[int], *,
@@ -414,12 +460,12 @@ def _hours(seconds: float | None) -> str:
 
 def format_table(rows: Sequence[StepPrediction]) -> str:
     """A Markdown table: one row per (scheme, nodes)."""
-    lines = ["| scheme | nodes | devices | step ms | compute | exposed comm | negotiation | input stall | "
+    lines = ["| scheme | nodes | devices | step ms | compute | codec | exposed comm | negotiation | input stall | "
              "images/s | efficiency | time to train |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.scheme} | {r.nodes} | {r.devices} | {1e3 * r.step_s:.1f} | {1e3 * r.compute_s:.1f} | "
-                     f"{1e3 * r.exposed_communication_s:.1f} | {1e3 * r.negotiation_s:.2f} | "
+                     f"{1e3 * r.codec_s:.1f} | {1e3 * r.exposed_communication_s:.1f} | {1e3 * r.negotiation_s:.2f} | "
                      f"{1e3 * r.input_stall_s:.1f} | {r.images_per_sec:,.0f} | {100 * r.efficiency:.1f}% | "
                      f"{_hours(r.time_to_train_s)} |")
     return "\n".join(lines)
@@ -510,10 +556,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"inter {cluster.inter.bus_bandwidth_GBps:g} GB/s {cluster.inter.latency_us:g} µs. A model, not a "
               "measurement (docs/planning.md).")
         print(format_table(rows))
+        keys = dict.fromkeys(_codec_key(s) for s in schemes)
+        missing = [k for k in keys if k not in profile.codec_s]
+        if missing:
+            print(f"codec: not in the profile for {', '.join(missing)}: counted 0 (`hvrep bench node` measures it).")
+        if "fp16" in keys and "float16" not in profile.gamma_s_per_byte:
+            print("fp16: the profile gives no γ for float16: its reduction's arithmetic is taken as float32's.")
     if args.plot:
         print(f"plot: {plot(rows, args.plot, f'hvrep plan: {profile.name}')}")
     return 0
 
 
 __all__ = ["Cluster", "Overlap", "Profile", "Scheme", "StepPrediction", "allreduce_s", "format_table", "main",
-           "overlap", "plan", "plot", "predict"]
+           "overlap", "plan", "plot", "predict", "reduced_share"]

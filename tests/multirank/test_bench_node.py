@@ -51,6 +51,13 @@ def test_the_profile_holds_the_all_reduce_between_the_nodes_ranks(profiles, laun
         assert pt["algbw_GBps"] == pytest.approx(pt["bytes"] / pt["seconds"] / 1e9)
         assert pt["busbw_GBps"] == pytest.approx(pt["algbw_GBps"])
     assert p["allreduce"]["fit"]["bandwidth_GBps"] > 0
+    # float16 through the same all-reduce: summed right (1 + 2 is exact in float16), and its γ in the plan's inputs
+    half = p["allreduce_float16"]
+    assert half["result_checked"] is True and [pt["bytes"] for pt in half["points"]] == sizes, half
+    assert p["plan_inputs"]["gamma_s_per_byte"]["float16"] == half["gamma_s_per_byte"] >= 0
+    # the codec of every scheme the plan prices, timed on the model's gradients
+    assert set(p["plan_inputs"]["codec_s"]) == {"fp32", "fp16", "powersgd:1", "powersgd:2", "powersgd:4"}
+    assert all(v > 0 for v in p["plan_inputs"]["codec_s"].values()), p["plan_inputs"]["codec_s"]
     step = p["step"]
     assert all(step[k] > 0 for k in ("forward_s", "forward_backward_s", "step_no_reduce_s", "step_with_reduce_s"))
     assert p["host_device_copy"]["GBps"] is None  # no GPU here, said so
@@ -70,3 +77,5 @@ def test_hvrep_plan_reads_the_profile_and_its_measured_link(profiles, tmp_path) 
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| scheme")]
     assert len(rows) == 4 * 2 * 3, done.stdout  # 4 schemes x 2 topologies x 3 node counts
+    # powersgd:2's codec is in the profile (ranks 1, 2, 4 timed): nothing counted 0
+    assert "codec: not in the profile" not in done.stdout, done.stdout

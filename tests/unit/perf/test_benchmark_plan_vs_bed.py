@@ -110,3 +110,16 @@ def test_the_plan_can_take_the_contended_compute_keeping_the_profiles_split(pvb)
     assert p["plan"]["compute_s"] == pytest.approx(0.3)
     assert p["predicted_step_s"] == pytest.approx(0.335459, rel=1e-5)
     assert p["predicted_efficiency"] == pytest.approx(0.894298, rel=1e-5)
+
+
+def test_the_contended_compute_stretches_the_codec_and_gamma_alike(pvb):
+    # compute 300 ms in place of 150: x2. fp16, 2 hosts, 1 Gbit/s (0.119551 GB/s of TCP payload): 2 MB on
+    # the wire, 2 * 1/2 * 2e6 / 0.119551e9 = 16.729 ms; γ 5 ns/B x2 on the 1/2 of 2 MB each host sums: 10 ms;
+    # codec 4 ms x2 = 8 ms. Step 300 + 8 + 16.729 + 10 + 2 = 336.729 ms.
+    profile = {"plan_inputs": {**PROFILE["plan_inputs"], "gamma_s_per_byte": {"float16": 5e-9},
+                               "codec_s": {"fp16": 0.004}}}
+    p = pvb.predict_point(profile, 1.0, "fp16", 2, compute_s=0.3)
+    assert p["plan"]["codec_s"] == pytest.approx(0.008)
+    assert p["predicted_step_s"] == pytest.approx(0.3367293, rel=1e-6)
+    alone = pvb.predict_point(profile, 1.0, "fp16", 2)  # the profile's own: 150 + 4 + 16.729 + 5 + 2
+    assert alone["predicted_step_s"] == pytest.approx(0.1777293, rel=1e-6)

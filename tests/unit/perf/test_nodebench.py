@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvrep.perf.nodebench import SIZES, fit_link
+from hvrep.perf.nodebench import SIZES, fit_link, float16_gamma
 
 
 def test_sizes_span_4_kb_to_256_mb():
@@ -26,3 +26,11 @@ def test_no_growth_with_bytes_is_all_fixed_cost_and_one_rank_no_fit():
     assert fit["fixed_s"] == pytest.approx(1e-3) and fit["bandwidth_GBps"] > 1e5
     assert fit_link([{"bytes": 4096, "seconds": 1e-3}], 2) is None
     assert fit_link([{"bytes": 4096, "seconds": 1e-3}, {"bytes": 8192, "seconds": 2e-3}], 1) is None
+
+
+def test_float16s_gamma_is_its_per_byte_cost_beyond_float32s():
+    # 2 ranks: float32 at 1 GB/s bus, float16 at 0.5: t16 - t32 = 2(N-1)/N * b * (2 - 1) ns = (N-1)/N * b * γ
+    # -> γ = 2 ns per byte; never below 0 (float16 as fast per byte: MPI's F16C sum, a GPU); None without a fit.
+    assert float16_gamma({"bandwidth_GBps": 1.0}, {"bandwidth_GBps": 0.5}) == pytest.approx(2e-9)
+    assert float16_gamma({"bandwidth_GBps": 1.0}, {"bandwidth_GBps": 2.0}) == 0.0
+    assert float16_gamma(None, {"bandwidth_GBps": 2.0}) is None

@@ -146,6 +146,39 @@ def test_powersgd_sends_its_factors_in_two_rounds_after_the_backward_pass():
         plan.predict(_profile(), _cluster(1), plan.Scheme("powersgd", rank=1), 2)
 
 
+def test_fp16_pays_its_reductions_arithmetic_beyond_float32s_on_the_bytes_each_device_sums():
+    # 2 nodes x 1 device, 1 GB/s: fp16 sends 4e9 B, 2*1/2 * 4e9 / 1e9 = 4 s on the link; γ = 1 ns/B on the
+    # (N-1)/N = 1/2 of them each device sums: + 2 s. Ready at 2 s (one tensor) -> ends at 8: 6 s exposed.
+    p = _profile(gamma_s_per_byte={"float16": 1e-9})
+    cluster = _cluster(1, inter=(1.0, 0.0))
+    r = plan.predict(p, cluster, plan.Scheme("fp16"), 2)
+    assert (r.exposed_communication_s, r.step_s) == (pytest.approx(6.0), pytest.approx(3 + 6 + 0.1))
+    # float32's arithmetic is in the link's measured rate: γ of float16 does not touch fp32.
+    assert plan.predict(p, cluster, plan.Scheme("fp32"), 2).step_s == pytest.approx(11.1)
+    # What each device sums: (N-1)/N in a ring; (g-1)/g, then (M-1)/M of its 1/g shard, in two levels.
+    assert plan.reduced_share(2, _cluster(4), "ring") == pytest.approx(7 / 8)
+    assert plan.reduced_share(2, _cluster(4), "hierarchical") == pytest.approx(3 / 4 + 1 / 2 / 4)
+    assert plan.reduced_share(1, _cluster(4), "hierarchical") == pytest.approx(3 / 4)
+    assert plan.reduced_share(1, _cluster(1), "ring") == 0.0
+
+
+def test_a_schemes_codec_runs_in_series_with_the_compute():
+    p = _profile(grad_bytes=4e6, gradient_shapes=((1000, 1000),), codec_s={"fp32": 0.5, "powersgd:1": 0.25})
+    cluster = _cluster(1, inter=(1.0, 0.0))
+    fp32 = plan.predict(p, cluster, plan.Scheme("fp32"), 2)
+    # 4e6 B at 1 GB/s: 4 ms, ready at 2 s: 4 ms exposed; + 0.1 negotiation + 0.5 codec
+    assert (fp32.codec_s, fp32.step_s) == (0.5, pytest.approx(3 + 0.5 + 0.004 + 0.1))
+    local = plan.predict(p, cluster, plan.Scheme("local", local_steps=4), 2)  # fp32's codec, every 4th step
+    assert local.codec_s == pytest.approx(0.125)
+    assert plan.predict(p, cluster, plan.Scheme("powersgd", rank=1), 2).codec_s == 0.25
+    assert plan.predict(p, cluster, plan.Scheme("fp16"), 2).codec_s == 0.0  # not in the profile: 0
+    assert plan.predict(p, cluster, plan.Scheme("fp32"), 1).step_s == 3.0  # one device: no reduction, no codec
+    with pytest.raises(ConfigError, match=r"codec_s\['fp16'\]"):
+        _profile(codec_s={"fp16": -1.0})
+    with pytest.raises(ConfigError, match="gamma_s_per_byte"):
+        _profile(gamma_s_per_byte=[1e-9])
+
+
 def test_a_slow_input_pipeline_sets_the_step_and_the_baseline():
     # fp16 step 7.1 s; the node needs 32 images at 4 images/s = 8 s: 0.9 s of stall. One device alone is
     # also input-bound (4 < 32/3 images/s), so the efficiency is 1.
