@@ -142,12 +142,17 @@ def _resumed_on_one_node(cluster: BedSlurm, job: Job, left: str) -> None:
     # The epoch goes on where the checkpoint left it: the samples start 1 trained are not trained again and the
     # rest are dealt to the one replica, for the epoch's same number of steps of the same global batch.
     per_epoch = first[0]["steps_per_epoch"]
-    in_epoch = step % per_epoch
-    assert in_epoch, f"the checkpoint resumed from, step {step}, ends an epoch: nothing to check within one"
-    resume = next(e for e in second if e["event"] == "resume")
-    assert resume["replicas"] == [2, 1] and resume["global_batch"] == [GLOBAL_BATCH, GLOBAL_BATCH], resume
-    assert resume["trained_samples"] == in_epoch * GLOBAL_BATCH, (resume, step)
-    assert in_epoch + resume["steps"] == per_epoch == second[0]["steps_per_epoch"], (resume, per_epoch)
+    assert per_epoch == second[0]["steps_per_epoch"], (first[0], second[0])  # the same global batch
+    resumes = [e for e in second if e["event"] == "resume"]
+    if resumes:  # saved inside an epoch, or at its last step (the stop's or a periodic save): it goes on or ends
+        resume = resumes[0]
+        assert resume["replicas"] == [2, 1] and resume["global_batch"] == [GLOBAL_BATCH, GLOBAL_BATCH], resume
+        done = resume["trained_samples"] // GLOBAL_BATCH
+        assert resume["trained_samples"] == done * GLOBAL_BATCH and 0 < done <= per_epoch, (resume, per_epoch)
+        assert done % per_epoch == step % per_epoch, (resume, step)
+        assert done + resume["steps"] == per_epoch, (resume, per_epoch)
+    else:  # the checkpoint of an epoch's end (where a stop or crash falls is timing): the next epoch starts whole
+        assert step % per_epoch == 0, (second, step)
     assert next(e["step"] for e in second if e["event"] == "train") == step + 1
 
 
