@@ -100,16 +100,19 @@ def compare(predicted_step_s: float, predicted_efficiency: float, measured_step_
 
 
 def predict_point(profile_json: Mapping[str, Any], link_gbit: float, scheme: str, hosts: int,
-                  compute_s: float | None = None) -> dict[str, Any]:
+                  compute_s: float | None = None, cpu_terms: bool = True) -> dict[str, Any]:
     """``hvrep plan``'s row for one bed point.
 
     ``compute_s``: the contended compute time to plan with (the bed's no-reduction step, timed in the same
     rounds as the schemes), in place of the profile's forward + backward; the profile's split between the
     two is kept. The profile's other work on the ranks' cores, its codec and γ (the reduction's arithmetic),
     is scaled by the same factor: the load that stretched the compute between the profile and the bed
-    stretches them alike. None: the profile's own.
+    stretches them alike. None: the profile's own. ``cpu_terms=False``: without the codec and γ (the model
+    before they were added), to show what they change.
     """
     profile = planlib.Profile.from_dict(profile_json)
+    if not cpu_terms:
+        profile = dataclasses.replace(profile, codec_s={}, gamma_s_per_byte={})
     if compute_s is not None:
         scale = compute_s / profile.compute_s
         profile = dataclasses.replace(profile, forward_s=profile.forward_s * scale,
@@ -236,13 +239,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     # targets' comparison), and with the profile's alone (taken minutes apart: the load drifts).
                     same = predict_point(prof, rate, case["scheme"], hosts, measured["compute_s_concurrent"])
                     alone = predict_point(prof, rate, case["scheme"], hosts)
+                    before = predict_point(prof, rate, case["scheme"], hosts, measured["compute_s_concurrent"],
+                                           cpu_terms=False)
+                    before.update(compare(before["predicted_step_s"], before["predicted_efficiency"],
+                                          measured["measured_step_s"], measured["measured_efficiency"]))
                     alone.update(compare(alone["predicted_step_s"], alone["predicted_efficiency"],
                                          measured["measured_step_s"], measured["measured_efficiency"]))
                     point = {**common, "kind": "point", "hosts": hosts, "link_gbit": rate, "scheme": case["scheme"],
                              "collectives_traced": case["collectives"], "cluster": cluster, **measured, **same,
                              **compare(same["predicted_step_s"], same["predicted_efficiency"],
                                        measured["measured_step_s"], measured["measured_efficiency"]),
-                             "profile_alone": alone, "loadavg": result["loadavg"],
+                             "profile_alone": alone, "without_cpu_terms": before, "loadavg": result["loadavg"],
                              "launch_s": time.perf_counter() - t0}
                     batch.append(point)
                 append_jsonl(args.out, batch)
@@ -252,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     both = sum(1 for q in points if q["step_within"] and q["efficiency_within"])
     print(f"{both} of {len(points)} points within ±{STEP_TOLERANCE:.0%} of the step and ±{EFFICIENCY_TOLERANCE} of "
           f"the efficiency; {time.perf_counter() - started:.0f} s; appended to {args.out}")
+    before = sum(1 for q in points if (w := q["without_cpu_terms"])["step_within"] and w["efficiency_within"])
+    print(f"without the codec and γ (the plan before they were added), same compute: {before} of {len(points)}")
     return 0
 
 
