@@ -138,6 +138,14 @@ def unreadable(folders: dict[int, Path]) -> list[str]:
     return lost
 
 
+def not_rotated(saved: dict[int, Path], now: dict[int, Path], keep: int) -> dict[int, Path]:
+    """Those of ``saved`` that checkpoint.keep = ``keep`` must still hold: the newest ``keep`` of every checkpoint
+    complete before or after (``now``). A save in progress when a fault struck may complete afterwards and rightly
+    delete the oldest; a checkpoint gone with fewer than ``keep`` newer ones is lost."""
+    newest = sorted({*saved, *now})[-keep:]
+    return {s: f for s, f in saved.items() if s in newest}
+
+
 def kept(folders: dict[int, Path], keep: int) -> dict[int, Path]:
     """The newest ``keep`` of ``folders``: those a later save may not delete (checkpoint.keep)."""
     return dict(sorted(folders.items())[-keep:])

@@ -25,6 +25,7 @@ import psutil
 
 from benchmarks._faults import Injection, Outcome, _kit
 from hvrep.errors import EXIT_HANG
+from hvrep.train.config import CheckpointConfig
 
 TIMEOUT_S = 15
 STEPS = 10  # custom loop: checkpoints every 2 steps
@@ -137,8 +138,9 @@ class SigStop:
         final = events[-1] if events else {}
         if rank != 0 and (final.get("event"), final.get("stopped")) != ("final", "timeout"):
             lost.append(f"the last event is not a final stopped=timeout: {str(final)[:200]}")
-        lost += _kit.unreadable(saved)
         now = _kit.checkpoints(out)
+        # The chief's save of the step it had logged may complete after the stop and rotate out the oldest.
+        lost += _kit.unreadable(_kit.not_rotated(saved, now, CheckpointConfig().keep))
         newest = max(now, default=0)
         before = _kit.lines(out)
         trained = sum(e["event"] in ("train", "epoch") for e in events)
