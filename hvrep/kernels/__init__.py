@@ -24,7 +24,7 @@ active and why.
 
 from hvrep.kernels.lars import LARS_DTYPES, fused_lars_apply, lars_update, reference_lars_apply
 from hvrep.kernels.loader import CPU_LIB, CUDA_LIB, LIB_DIR, KernelStatus, available, gpu_problem, status, tf_identity
-from hvrep.kernels.packing import PACK_DTYPES, pack, reference_pack, reference_unpack, unpack
+from hvrep.kernels.packing import PACK_DTYPES, align_for, pack, packed_length, reference_pack, reference_unpack, unpack
 
 __all__ = [
     "CPU_LIB",
@@ -33,11 +33,13 @@ __all__ = [
     "LIB_DIR",
     "PACK_DTYPES",
     "KernelStatus",
+    "align_for",
     "available",
     "fused_lars_apply",
     "gpu_problem",
     "lars_update",
     "pack",
+    "packed_length",
     "reference_lars_apply",
     "reference_pack",
     "reference_unpack",

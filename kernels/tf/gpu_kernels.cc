@@ -32,6 +32,9 @@ struct GpuTraits {
     return absl::OkStatus();
   }
 
+  // The scale is in device memory, not read here: the caller (hvrep.kernels.unpack)
+  // sets share=true only for a scale it knows to be 1 when it builds the op.
+  static bool ScaleMayBeOne(const Tensor&) { return true; }
   static absl::Status CopyBytes(OpKernelContext* ctx, void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return absl::OkStatus();
     ::stream_executor::DeviceAddressBase d(dst, bytes);

@@ -186,6 +186,11 @@ class PackOp : public OpKernel {
 };
 
 // HvrepUnpack: a rank-1 buffer + scale -> tensors of the given dtypes and shapes.
+// Piece i > 0 starts at the next multiple of `align` elements after piece i-1
+// ends. With `share`, a piece in the buffer's dtype whose start is aligned as
+// Eigen requires (EIGEN_MAX_ALIGN_BYTES) is returned as a slice of the buffer,
+// as TensorFlow's Split does: no copy and no allocation. The other pieces are
+// copied (cast, scaled) as without it.
 template <typename Traits>
 class UnpackOp : public OpKernel {
  public:
@@ -193,16 +198,23 @@ class UnpackOp : public OpKernel {
     std::vector<::tensorflow::PartialTensorShape> shapes;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tout", &types_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &shapes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("align", &align_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("share", &share_));
     OP_REQUIRES(ctx, shapes.size() == types_.size(),
                 absl::InvalidArgumentError(absl::StrCat("HvrepUnpack: ", shapes.size(), " shapes for ", types_.size(),
                                                         " output dtypes; give one shape per output.")));
+    int64_t at = 0;
     for (size_t i = 0; i < shapes.size(); ++i) {
       TensorShape s;
       OP_REQUIRES(ctx, shapes[i].AsTensorShape(&s),
                   absl::InvalidArgumentError(absl::StrCat("HvrepUnpack: shape ", i, " is ", shapes[i].DebugString(),
                                                           "; every shape must be fully defined.")));
+      if (i > 0) at = (at + align_ - 1) / align_ * align_;
+      offsets_.push_back(at);
+      at += s.num_elements();
       shapes_.push_back(s);
     }
+    total_ = at;
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -211,27 +223,53 @@ class UnpackOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input("scale", &scale));
     OP_REQUIRES(ctx, ::tensorflow::TensorShapeUtils::IsScalar(scale->shape()),
                 absl::InvalidArgumentError("HvrepUnpack: scale must be a scalar."));
-    int64_t total = 0;
-    for (const TensorShape& s : shapes_) total += s.num_elements();
-    OP_REQUIRES(ctx, packed.dims() == 1 && packed.NumElements() == total,
+    OP_REQUIRES(ctx, packed.dims() == 1 && packed.NumElements() == total_,
                 absl::InvalidArgumentError(absl::StrCat("HvrepUnpack: the buffer has shape ", packed.shape().DebugString(),
-                                                        " but the ", shapes_.size(), " output shapes need [", total,
+                                                        " but the ", shapes_.size(), " output shapes need [", total_,
                                                         "] elements.")));
+    OP_REQUIRES(ctx, !share_ || Traits::ScaleMayBeOne(*scale),
+                absl::InvalidArgumentError("HvrepUnpack: share=true needs a scale of 1 (a shared piece is not scaled)."));
     ::tensorflow::OpOutputList outs;
     OP_REQUIRES_OK(ctx, ctx->output_list("tensors", &outs));
-    std::vector<hvrep_tensor_ref> refs;
+    const int src_dtype = ToHvrepDtype(packed.dtype());
+    const size_t bsize = hvrep_dtype_size(src_dtype);
+    const char* base = static_cast<const char*>(packed.data());
+    std::vector<hvrep_tensor_ref> refs;  // the copied pieces, contiguous in the buffer while align_ == 1
+    std::vector<int64_t> starts;         // their element offsets
     for (size_t i = 0; i < shapes_.size(); ++i) {
+      const int64_t n = shapes_[i].num_elements();
+      if (share_ && types_[i] == packed.dtype() && n > 0) {
+        const Tensor slice = packed.Slice(offsets_[i], offsets_[i] + n);
+        Tensor view;
+        if (slice.IsAligned() && view.CopyFrom(slice, shapes_[i])) {  // Eigen's aligned maps need the former
+          outs.set(static_cast<int>(i), view);
+          continue;
+        }
+      }
       Tensor* out;
       OP_REQUIRES_OK(ctx, outs.allocate(static_cast<int>(i), shapes_[i], &out));
       refs.push_back(hvrep_tensor_ref{out->data(), out->NumElements(), ToHvrepDtype(types_[i])});
+      starts.push_back(offsets_[i]);
     }
-    OP_REQUIRES_OK(ctx, Traits::Unpack(ctx, packed.data(), ToHvrepDtype(packed.dtype()), static_cast<int>(refs.size()),
-                                       refs.data(), scale->flat<double>().data()));
+    if (refs.empty()) return;
+    if (align_ == 1 && !share_) {  // one call for the whole buffer
+      OP_REQUIRES_OK(ctx, Traits::Unpack(ctx, base, src_dtype, static_cast<int>(refs.size()), refs.data(),
+                                         scale->flat<double>().data()));
+      return;
+    }
+    for (size_t k = 0; k < refs.size(); ++k) {  // pieces apart: one call each
+      OP_REQUIRES_OK(ctx, Traits::Unpack(ctx, base + starts[k] * bsize, src_dtype, 1, &refs[k],
+                                         scale->flat<double>().data()));
+    }
   }
 
  private:
   std::vector<DataType> types_;
   std::vector<TensorShape> shapes_;
+  std::vector<int64_t> offsets_;
+  int64_t total_ = 0;
+  int64_t align_ = 1;
+  bool share_ = false;
 };
 
 }  // namespace hvrep

@@ -65,6 +65,12 @@ REGISTER_OP("HvrepUnpack")
     .Attr("in_type: {half, bfloat16, float, double}")
     .Attr("Tout: list({half, bfloat16, float, double}) >= 0")
     .Attr("shapes: list(shape) >= 0")
+    // Each piece after the first starts at the next multiple of `align` elements
+    // of the buffer (the pack put zeros between). With `share`, a piece of the
+    // buffer's dtype whose start is aligned for Eigen is a slice of the buffer,
+    // not a copy; the caller promises a scale of 1 (checked on the CPU).
+    .Attr("align: int >= 1 = 1")
+    .Attr("share: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &unused));
@@ -82,7 +88,7 @@ REGISTER_OP("HvrepUnpack")
       }
       return absl::OkStatus();
     })
-    .Doc("Splits a rank-1 buffer into tensors: cast(piece, dtype) * scale, reshaped.");
+    .Doc("Splits a rank-1 buffer into tensors: cast(piece, dtype) * scale, reshaped; pieces start at multiples of align.");
 
 // CPU: the kernels run on TensorFlow's intra-op thread pool.
 void TfParallelFor(void* pool, int64_t num_units, hvrep_range_fn fn, void* arg) {
@@ -96,6 +102,8 @@ struct CpuTraits {
   static void* Pool(OpKernelContext* ctx) {
     return ctx->device()->tensorflow_cpu_worker_threads()->workers;
   }
+  // The scale is in host memory: share=true is refused unless it is 1.
+  static bool ScaleMayBeOne(const Tensor& scale) { return scale.scalar<double>()() == 1.0; }
   static absl::Status CopyBytes(OpKernelContext*, void* dst, const void* src, size_t bytes) {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return absl::OkStatus();

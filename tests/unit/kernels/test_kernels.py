@@ -279,6 +279,86 @@ def test_pack_and_unpack_gradients_match_the_reference():
     np.testing.assert_allclose(grads[0][0].numpy(), a.numpy(), rtol=1e-6)
 
 
+def _address(t: tf.Tensor) -> int:
+    # The buffer's address, through DLPack (EagerTensor.numpy() may copy).
+    import ctypes
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ctypes.cast(get(tf.experimental.dlpack.to_dlpack(t), b"dltensor"), ctypes.POINTER(ctypes.c_void_p))[0]
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_aligned_pack_puts_zeros_between_and_unpack_gives_the_pieces_back(use_kernel):
+    sizes = [15, 16, 1, 33, 7]  # in float32: gaps of 1, 0, 15, 15 elements to 64-byte starts
+    parts = [tf.constant(np.arange(1, n + 1, dtype=np.float32)) for n in sizes]
+    buf = kernels.pack(parts, tf.float32, 2.0, align=16, use_kernel=use_kernel).numpy()
+    starts = [0, 16, 32, 48, 96]
+    assert buf.shape == (103,) and kernels.packed_length(sizes, 16) == 103
+    expect = np.zeros(103, np.float32)
+    for s, n in zip(starts, sizes, strict=True):
+        expect[s:s + n] = 2 * np.arange(1, n + 1)
+    np.testing.assert_array_equal(buf, expect)  # zeros in every gap
+    for dtypes, scale in ((tf.float32, 1), (tf.float64, 0.5)):
+        back = kernels.unpack(tf.constant(buf), [(n,) for n in sizes], dtypes, scale, align=16, use_kernel=use_kernel)
+        for p, b in zip(parts, back, strict=True):
+            np.testing.assert_array_equal(b.numpy(), p.numpy().astype(b.dtype.as_numpy_dtype) * 2 * scale)
+    with pytest.raises(ConfigError, match="buffer has 101 elements but the 5 shapes need 103 with align=16"):
+        kernels.unpack(tf.zeros(101), [(n,) for n in sizes], align=16, use_kernel=use_kernel)
+
+
+def test_aligned_unpack_shares_the_buffer_only_where_no_cast_or_scale_is_needed():
+    sizes = [1000, 1001, 17, 4096]
+    buf = kernels.pack([tf.ones([n]) for n in sizes], tf.float32, align=16, use_kernel=True)
+    base = _address(buf)
+    starts = [0, 1008, 2016, 2048]
+    shared = kernels.unpack(buf, [(n,) for n in sizes], align=16, use_kernel=True)
+    assert [_address(t) - base for t in shared] == [4 * s for s in starts]
+    dense = kernels.pack([tf.ones([n]) for n in sizes], tf.float32, use_kernel=True)
+    copied = kernels.unpack(dense, [(n,) for n in sizes], use_kernel=True)  # align 1: copies, as before
+    assert not any(0 <= _address(t) - _address(dense) < 4 * dense.shape[0] for t in copied)
+    scaled = kernels.unpack(buf, [(n,) for n in sizes], scale=0.5, align=16, use_kernel=True)
+    assert not any(0 <= _address(t) - base < 4 * buf.shape[0] for t in scaled)
+    assert all(np.all(t.numpy() == 0.5) for t in scaled)
+    # The op refuses share=true with a scale that is not 1 (it would not be applied).
+    with pytest.raises(tf.errors.InvalidArgumentError, match="share=true needs a scale of 1"):
+        _raw().hvrep_unpack(packed=buf, scale=tf.constant(0.5, tf.float64), Tout=[tf.float32] * 4,
+                            shapes=[[n] for n in sizes], align=16, share=True)
+
+
+def test_aligned_pack_and_unpack_gradients():
+    a, b = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3)), tf.constant(np.arange(20, dtype=np.float32))
+    for use_kernel in (True, False):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            packed = kernels.pack([a, b], tf.float32, 0.5, align=16, use_kernel=use_kernel)
+            assert packed.shape == (36,)
+            parts = kernels.unpack(packed * packed, [(2, 3), (20,)], align=16, use_kernel=use_kernel)
+            loss = tf.reduce_sum(parts[0]) + tf.reduce_sum(parts[1])
+        ga, gb = tape.gradient(loss, [a, b])
+        np.testing.assert_allclose(ga.numpy(), 0.5 * a.numpy(), rtol=1e-6)  # d/dx (x/2)^2 = x/2
+        np.testing.assert_allclose(gb.numpy(), 0.5 * b.numpy(), rtol=1e-6)
+
+
+def test_the_fused_all_reduce_aligns_a_bucket_only_where_the_gaps_are_small():
+    from hvrep.replica.fusion import fused_reduce
+
+    seen = []
+
+    def reduce_buffer(buf):
+        seen.append(buf.shape[0])
+        return buf * 2.0
+
+    # Packed last tensor first (the backward pass's order): 1003, 1002, 1001, 1000 elements,
+    # gaps of 5, 6 and 7 to 64-byte starts: 18 of 4,006, under 1%.
+    large = [tf.ones([1000 + i]) for i in range(4)]
+    small = [tf.ones([3 + i]) for i in range(4)]  # gaps would more than double the bucket
+    for tensors, length in ((large, 4024), (small, 18)):
+        out = fused_reduce(tensors, reduce_buffer, threshold=1 << 20)
+        assert seen[-1] == length
+        assert all(np.all(o.numpy() == 2.0) and o.shape == t.shape for o, t in zip(out, tensors, strict=True))
+
+
 def test_the_fused_all_reduce_packs_buckets_with_the_op():
     from hvrep.replica.fusion import fused_reduce
 
