@@ -155,3 +155,40 @@ def warm_up(cases: Sequence[Any], calls: int, label: Callable[[Any], str]) -> No
             case.error = f"{type(e).__name__}: {e}".strip()[:2000]
             print(f"{label(case)} failed in warm-up, skipped:\n"
                   + "".join(traceback.format_exception_only(e))[-1500:], file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- two ranks on this machine
+# For benchmarks that launch 2 ranks of themselves (step_overhead, allreduce_parts): the launcher binds
+# nothing and each rank pins itself to its local rank's core, so mpirun and horovodrun place ranks alike.
+
+LAUNCH_DROP = ("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_")
+
+
+def pin_to_local_core() -> int:
+    """Pins this process to one core: its local rank's among those it may use. Returns the core."""
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def two_rank_command(launcher: str, script: str, script_args: Sequence[str]) -> list[str]:
+    """``mpirun`` (``-m mpi4py``: one rank's error ends both) or ``horovodrun --gloo``: ``script`` on 2 ranks here."""
+    bin_dir = Path(sys.executable).parent
+    if launcher == "mpirun":
+        return [str(bin_dir / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+                "mpi_yield_when_idle", "1", sys.executable, "-m", "mpi4py", script, *script_args]
+    if launcher == "horovodrun":
+        return [str(bin_dir / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, script,
+                *script_args]
+    raise ValueError(f"launcher must be mpirun or horovodrun, got {launcher!r}")
+
+
+def launch_env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment less any launcher's or scheduler's variables, ``root`` importable, one TensorFlow thread."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_DROP)}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **(extra or {}))
+    return env

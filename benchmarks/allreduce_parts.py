@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
 BENCHMARK = "allreduce_parts"
@@ -50,9 +49,9 @@ BASELINE = {"hvrep_sum": "hvrep_without", "hvrep_mean": "hvrep_without", "horovo
 
 
 def _worker(args: argparse.Namespace) -> int:
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[local % len(cores)]})
+    import _common
+
+    _common.pin_to_local_core()  # before numpy and TensorFlow size their thread pools
     import numpy as np
     import tensorflow as tf
     from mpi4py import MPI
@@ -139,19 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--bytes must be a positive multiple of 4 (fp32 values), got {args.bytes}")
     if args.worker:
         return _worker(args)
-    from _common import append_jsonl, run_id
+    from _common import append_jsonl, launch_env, run_id, two_rank_command
 
     rid = run_id()
     command = "python benchmarks/allreduce_parts.py " + " ".join(argv if argv is not None else sys.argv[1:])
     load = [round(os.getloadavg()[0], 2)]
-    cmd = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle",
-           "1", sys.executable, "-m", "mpi4py", __file__, "--worker", "--run-id", rid, "--bytes", str(args.bytes),
-           "--rounds", str(args.rounds), "--inner", str(args.inner), "--warmup", str(args.warmup)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    worker = ["--worker", "--run-id", rid, "--bytes", str(args.bytes), "--rounds", str(args.rounds), "--inner",
+              str(args.inner), "--warmup", str(args.warmup)]
+    cmd = two_rank_command("mpirun", __file__, worker)
+    proc = subprocess.run(cmd, env=launch_env(ROOT), cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     records = [json.loads(line.split(PREFIX, 1)[1]) for line in proc.stdout.splitlines() if PREFIX in line]
     if proc.returncode != 0 or not records:
         print(f"allreduce_parts: mpirun exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}",

@@ -34,11 +34,12 @@ whose activities are summed per step): ``kind: "breakdown"`` lines; with 4 MB am
 1-tensor case once more under ``HOROVOD_TIMELINE`` (variant ``timeline_4mb``: how much of its cost is inside
 ``MPI_Allreduce``). Under ``mpirun`` the floor is also measured on buffers of 4 KB pages (``floor_small_pages``):
 numpy asks for transparent huge pages for arrays of 4 MB and more, TensorFlow's allocator does not, and Open MPI's
-single-copy transfer pins each page of the peer's buffer.
+single-copy transfer pins each page of the peer's buffer; and on ``COLD_PAIRS`` (4) pairs of such buffers used in
+turn (``floor_cold``): a step's tensors are allocated afresh, so the reduction's memory is not hot in the caches.
 
 JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
 without_us, cost_us, cost_median_us, cost_p10_us, cost_p90_us), ``floor`` (launcher, floor, bytes, us,
-median_us, or measured false and why), ``floor_small_pages`` (the same fields, mpirun), ``timeline``
+median_us, or measured false and why), ``floor_small_pages`` and ``floor_cold`` (the same fields, mpirun), ``timeline``
 (bytes, tensors, activity -> median µs per step), ``run`` (load average,
 the command).
 """
@@ -46,6 +47,7 @@ the command).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -56,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))  # `python benchmarks/step_overhead.py` from anywhere: hvrep and benchmarks._common
 
 BENCHMARK = "step_overhead"
@@ -82,16 +83,8 @@ VARIANT_CASE = {"timeline_4mb": (4 << 20, 1)}
 def _case(variant: str) -> tuple[int, int]:
     """(bytes, tensors) of the one case a variant launch runs."""
     return VARIANT_CASE.get(variant, (16 << 10, 1))
+COLD_PAIRS = 4  # the cold floor's pairs of buffers, used in turn
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
-
-
-def _pin_to_local_core() -> int:
-    """Pins this process to one core: its local rank's among those it may use. Returns the core."""
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[local % len(cores)]
-    os.sched_setaffinity(0, {core})
-    return core
 
 
 # --------------------------------------------------------------------------- the ranks
@@ -164,8 +157,9 @@ def _apply_step(opt: Any, variables: list, scope: str) -> Any:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    core = _pin_to_local_core()
     import _common
+
+    core = _common.pin_to_local_core()
     import keras
     import numpy as np
     import tensorflow as tf
@@ -246,6 +240,14 @@ def _worker(args: argparse.Namespace) -> int:
                 np.core.multiarray._set_madvise_hugepage(huge)
                 contenders[("floor_small_pages", nbytes)] = lambda b=small: mpi.COMM_WORLD.Allreduce(b[0], b[1],
                                                                                                        op=mpi.SUM)
+                # And on 4 such pairs used in turn: a step's tensors are allocated afresh, and TensorFlow's
+                # allocator hands back a few blocks in turn, so the reduction's memory is not hot in the caches.
+                np.core.multiarray._set_madvise_hugepage(False)
+                cold = [(np.full(nbytes // 4, 1.0 + rank, np.float32), np.empty(nbytes // 4, np.float32))
+                        for _ in range(COLD_PAIRS)]
+                np.core.multiarray._set_madvise_hugepage(huge)
+                turns = itertools.cycle(cold)
+                contenders[("floor_cold", nbytes)] = lambda t=turns: mpi.COMM_WORLD.Allreduce(*next(t), op=mpi.SUM)
             else:
                 contenders[("floor", nbytes)] = nbytes
 
@@ -286,9 +288,9 @@ def _worker(args: argparse.Namespace) -> int:
     records = []
     col = {key: [round(float(v), 2) for v in slowest[:, i]] for i, key in enumerate(keys)}
     for key in keys:
-        if key[0] == "floor_small_pages":
+        if key[0] in ("floor_small_pages", "floor_cold"):
             us = col[key]
-            records.append({**base, "kind": "floor_small_pages", "bytes": key[1], "floor": "mpi4py_allreduce",
+            records.append({**base, "kind": key[0], "bytes": key[1], "floor": "mpi4py_allreduce",
                             "us": us, "median_us": round(float(np.median(us)), 2)})
         elif key[0] == "floor":
             us = col[key]
@@ -319,32 +321,18 @@ def _worker(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- the driver
 
 
-def _launch_command(launcher: str, worker_args: list[str]) -> list[str]:
-    me = [sys.executable, __file__, "--worker", "--launcher", launcher, *worker_args]
-    if launcher == "mpirun":
-        # No binding by Open MPI: each rank pins itself (as under horovodrun), so both launchers place alike.
-        return [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
-                "mpi_yield_when_idle", "1", me[0], "-m", "mpi4py", *me[1:]]
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *me]
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "SLURM_"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               TF_CPP_MIN_LOG_LEVEL="2", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
-    return env
-
-
 def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argparse.Namespace,
                 run_id: str) -> list[dict[str, Any]]:
+    import _common
+
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         worker = ["--variant", variant, "--run-id", run_id, "--rounds", str(args.rounds), "--inner", str(args.inner),
                   "--warmup", str(args.warmup), "--store", f"{tmp}/torch-store",
                   "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes),
                   "--flush-off" if args.flush_off and variant == "default" else "--no-flush-off"]
-        proc = subprocess.run(_launch_command(launcher, worker), env=_env(extra), cwd=ROOT, capture_output=True,
-                              text=True, timeout=args.timeout)
+        command = _common.two_rank_command(launcher, __file__, ["--worker", "--launcher", launcher, *worker])
+        proc = subprocess.run(command, env=_common.launch_env(ROOT, extra), cwd=ROOT, capture_output=True, text=True,
+                              timeout=args.timeout)
         records = [json.loads(line.split(PREFIX, 1)[1]) for line in proc.stdout.splitlines() if PREFIX in line]
         if proc.returncode != 0 or not records:
             raise RuntimeError(f"{launcher} {variant}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -449,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"{rec['median_us']:9.1f} us" if rec["measured"] else f"not measured: {rec['why']}"))
         elif rec["kind"] == "floor_small_pages":
             print(f"{rec['launcher']:10s} floor on 4 KB pages {rec['bytes']:>9d} B {rec['median_us']:9.1f} us")
+        elif rec["kind"] == "floor_cold":
+            print(f"{rec['launcher']:10s} floor, {COLD_PAIRS} pairs in turn {rec['bytes']:>9d} B "
+                  f"{rec['median_us']:9.1f} us")
         elif rec["kind"] == "timeline":
             print(f"{rec['launcher']:10s} timeline {rec['bytes']:>9d} B {rec['activities_us']}")
     print(f"wrote {len(records)} line(s) to {args.out}")

@@ -110,6 +110,11 @@ def render_step_overhead(records: list[dict[str, Any]], out_dir: str | Path) -> 
         lines += ["", "The MPI floor on buffers of 4 KB pages (numpy's arrays of 4 MB and more ask for transparent "
                   "huge pages, TensorFlow's buffers do not; Open MPI's single-copy transfer pins every page): "
                   f"{floors}."]
+    cold = sorted((r for r in mine if r["kind"] == "floor_cold"), key=lambda r: r["bytes"])
+    if cold:
+        floors = ", ".join(f"{_size(r['bytes'])} {r['median_us']:.0f} µs" for r in cold)
+        lines += ["", "The MPI floor on 4 pairs of such buffers used in turn (a step allocates its tensors afresh: "
+                  f"the reduction's memory is not hot in the caches): {floors}."]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / _MD

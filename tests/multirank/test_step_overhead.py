@@ -62,6 +62,10 @@ def test_floors_are_named_per_launcher(lines):
     mpi = [r for r in lines["mpirun"] if r["kind"] == "floor"]
     assert [(r["floor"], r["bytes"], r["measured"]) for r in mpi] == [("mpi4py_allreduce", G, True)]
     assert len(mpi[0]["us"]) == ROUNDS and all(x > 0 for x in mpi[0]["us"])
+    for kind in ("floor_small_pages", "floor_cold"):  # MPI's own, on memory like a step's: mpirun only
+        extra = [r for r in lines["mpirun"] if r["kind"] == kind]
+        assert [(r["floor"], r["bytes"], len(r["us"])) for r in extra] == [("mpi4py_allreduce", G, ROUNDS)], kind
+        assert not any(r["kind"] == kind for r in lines["horovodrun"])
     gloo = [r for r in lines["horovodrun"] if r["kind"] == "floor"]
     assert [(r["floor"], r["bytes"]) for r in gloo] == [("torch_gloo_allreduce", G)]
     # Measured where the CPU PyTorch venv exists (docs/performance.md says how to make it), else says why not.
