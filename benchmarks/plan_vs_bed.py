@@ -14,7 +14,8 @@ One bed of 4 network namespaces (``hvrep.cluster.netbed``). For each host count 
 2. **Cluster** (:func:`bed_cluster`): one device per node (a bed host runs one rank), a flat ring, the
    network B_e = the tbf rate × 1448/1514 (a full TCP segment carries 1448 payload bytes in a 1514-byte
    frame with TCP timestamps, and tbf counts whole frames), hop latency 0 (no netem on this kernel; a veth
-   adds microseconds). No figure is taken from a bed run.
+   adds microseconds), the link's burst tbf's bucket (``netbed.tbf_burst_bytes``) in payload bytes. No figure
+   is taken from a bed run.
 3. **Plan**: ``hvrep.perf.plan.predict`` for fp32, fp16, powersgd:4 and local:4 at N nodes.
 4. **Bed** (``kind: "point"``): at each rate, one launch of ``_multihost_worker.py train --schemes`` with one
    rank per host: each scheme trained as a user trains it (``Replicator.wrap_optimizer``, hvrep's default
@@ -68,15 +69,17 @@ def bed_cluster(link_gbit: float) -> dict[str, Any]:
     """The cluster description of a bed at ``link_gbit`` (``hvrep plan --cluster``'s JSON).
 
     One device per node; the network's bus bandwidth is the TCP payload rate of the shaped link (tbf shapes
-    each direction at the rate, a ring sends and receives at once); no hop latency (no netem). ``intra`` is
-    never used with one device per node; it is the same link, so min(B_i, B_e) is B_e.
+    each direction at the rate, a ring sends and receives at once), its burst tbf's bucket; no hop latency
+    (no netem). ``intra`` is never used with one device per node; it is the same link, so min(B_i, B_e) is B_e.
     """
     if not link_gbit > 0:
         raise ValueError(f"link_gbit must be > 0, got {link_gbit}.")
     link = {"name": f"netbed tbf {link_gbit:g} Gbit/s, TCP payload",
-            "bandwidth_GBps": link_gbit / 8 * TCP_PAYLOAD_SHARE, "latency_us": 0.0}
+            "bandwidth_GBps": link_gbit / 8 * TCP_PAYLOAD_SHARE, "latency_us": 0.0,
+            "burst_bytes": netbed.tbf_burst_bytes(link_gbit) * TCP_PAYLOAD_SHARE}
     return {"devices_per_node": 1, "intra": dict(link), "inter": link, "inter_algorithm": "ring",
-            "source": "tbf rate x 1448/1514 (TCP payload per full frame); latency 0: the kernel has no netem"}
+            "source": "tbf rate and burst x 1448/1514 (TCP payload per full frame); latency 0: the kernel has "
+                      "no netem"}
 
 
 def measured_point(scheme_case: Mapping[str, Any], compute_case: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,7 +103,7 @@ def compare(predicted_step_s: float, predicted_efficiency: float, measured_step_
 
 
 def predict_point(profile_json: Mapping[str, Any], link_gbit: float, scheme: str, hosts: int,
-                  compute_s: float | None = None, cpu_terms: bool = True) -> dict[str, Any]:
+                  compute_s: float | None = None, cpu_terms: bool = True, burst: bool = True) -> dict[str, Any]:
     """``hvrep plan``'s row for one bed point.
 
     ``compute_s``: the contended compute time to plan with (the bed's no-reduction step, timed in the same
@@ -108,7 +111,7 @@ def predict_point(profile_json: Mapping[str, Any], link_gbit: float, scheme: str
     two is kept. The profile's other work on the ranks' cores, its codec and γ (the reduction's arithmetic),
     is scaled by the same factor: the load that stretched the compute between the profile and the bed
     stretches them alike. None: the profile's own. ``cpu_terms=False``: without the codec and γ (the model
-    before they were added), to show what they change.
+    before they were added), to show what they change; ``burst=False``: the link without tbf's burst.
     """
     profile = planlib.Profile.from_dict(profile_json)
     if not cpu_terms:
@@ -119,7 +122,10 @@ def predict_point(profile_json: Mapping[str, Any], link_gbit: float, scheme: str
                                       backward_s=profile.backward_s * scale,
                                       codec_s={k: v * scale for k, v in profile.codec_s.items()},
                                       gamma_s_per_byte={k: v * scale for k, v in profile.gamma_s_per_byte.items()})
-    cluster = planlib.Cluster.from_dict(bed_cluster(link_gbit))
+    description = bed_cluster(link_gbit)
+    if not burst:
+        description["inter"] = description["intra"] = {**description["inter"], "burst_bytes": 0.0}
+    cluster = planlib.Cluster.from_dict(description)
     row = planlib.predict(profile, cluster, planlib.Scheme.parse(scheme), hosts)
     return {"predicted_step_s": row.step_s, "predicted_efficiency": row.efficiency, "plan": row.as_dict(),
             "plan_compute_s": profile.compute_s}
@@ -243,13 +249,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            cpu_terms=False)
                     before.update(compare(before["predicted_step_s"], before["predicted_efficiency"],
                                           measured["measured_step_s"], measured["measured_efficiency"]))
+                    steady = predict_point(prof, rate, case["scheme"], hosts, measured["compute_s_concurrent"],
+                                           burst=False)
+                    steady.update(compare(steady["predicted_step_s"], steady["predicted_efficiency"],
+                                          measured["measured_step_s"], measured["measured_efficiency"]))
                     alone.update(compare(alone["predicted_step_s"], alone["predicted_efficiency"],
                                          measured["measured_step_s"], measured["measured_efficiency"]))
                     point = {**common, "kind": "point", "hosts": hosts, "link_gbit": rate, "scheme": case["scheme"],
                              "collectives_traced": case["collectives"], "cluster": cluster, **measured, **same,
                              **compare(same["predicted_step_s"], same["predicted_efficiency"],
                                        measured["measured_step_s"], measured["measured_efficiency"]),
-                             "profile_alone": alone, "without_cpu_terms": before, "loadavg": result["loadavg"],
+                             "profile_alone": alone, "without_cpu_terms": before, "without_burst": steady,
+                             "loadavg": result["loadavg"],
                              "launch_s": time.perf_counter() - t0}
                     batch.append(point)
                 append_jsonl(args.out, batch)
@@ -261,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"the efficiency; {time.perf_counter() - started:.0f} s; appended to {args.out}")
     before = sum(1 for q in points if (w := q["without_cpu_terms"])["step_within"] and w["efficiency_within"])
     print(f"without the codec and γ (the plan before they were added), same compute: {before} of {len(points)}")
+    steady = sum(1 for q in points if (w := q["without_burst"])["step_within"] and w["efficiency_within"])
+    print(f"without tbf's burst (the link at its rate only), same compute: {steady} of {len(points)}")
     return 0
 
 

@@ -82,11 +82,15 @@ class Interconnect:
       bus_bandwidth_GBps: B, the achievable all-reduce bus bandwidth per GPU
         link, in GB/s (1e9 bytes/s), not the marketing line rate.
       latency_us: α, the latency of one ring hop, in microseconds.
+      burst_bytes: bytes the link lets through above its rate after idling: a token bucket of this size
+        that refills at the rate (a shaped link, Linux tc tbf's burst; a cloud instance's burstable
+        network bandwidth). 0, a NIC's line rate, has none. Only ``hvrep plan`` uses it.
     """
 
     name: str
     bus_bandwidth_GBps: float
     latency_us: float
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -97,6 +101,9 @@ class Interconnect:
         if not _is_real(self.latency_us) or not 0 <= self.latency_us < math.inf:
             raise ConfigError(f"Interconnect {self.name!r}: latency_us must be a finite number >= 0, "
                               f"got {self.latency_us!r}.")
+        if not _is_real(self.burst_bytes) or not 0 <= self.burst_bytes < math.inf:
+            raise ConfigError(f"Interconnect {self.name!r}: burst_bytes must be a finite number >= 0, "
+                              f"got {self.burst_bytes!r}.")
 
     @property
     def bus_bandwidth_Bps(self) -> float:

@@ -29,6 +29,12 @@ equations, with their sources, are in docs/planning.md:
 * the codec: what a device spends per step around the collectives in series with its compute (hvrep's
   packing of the buckets, fp16's casts, PowerSGD's products, orthogonalisation and error feedback), from the
   profile per scheme;
+* a link's burst (``burst_bytes``: a token bucket that refills at the link's rate, as a shaped link's or a
+  cloud instance's burstable bandwidth; 0 for a NIC): the bucket fills while the link idles between a step's
+  collectives and the next step's, up to its size, and the bytes it holds go at once; the rest at the rate. A
+  step's collectives draw on it in order, each device's link carrying the bandwidth term's bytes (2(N−1)/N·b in
+  a ring); what the bucket holds at a step's start is min(burst, rate × the link's idle time per step), solved
+  with the step it shortens;
 * input: the node's pipeline must deliver g·batch images per step; prefetching hides it behind the rest, so
   the step is max(compute + codec + exposed communication + negotiation, g·batch / input images/s).
 
@@ -200,9 +206,10 @@ def _link(name: str, value: object) -> Interconnect:
                               '{"bandwidth_GBps": B, "latency_us": A}.')
         return PRESETS[value.lower()]
     if not isinstance(value, Mapping) or "bandwidth_GBps" not in value or "latency_us" not in value:
-        raise ConfigError(f'cluster {name} must be a preset name or {{"bandwidth_GBps": B, "latency_us": A}}, '
-                          f"got {value!r}.")
-    return Interconnect(str(value.get("name", name)), value["bandwidth_GBps"], value["latency_us"])
+        raise ConfigError(f'cluster {name} must be a preset name or {{"bandwidth_GBps": B, "latency_us": A}} '
+                          f'(and optionally "burst_bytes"), got {value!r}.')
+    return Interconnect(str(value.get("name", name)), value["bandwidth_GBps"], value["latency_us"],
+                        value.get("burst_bytes", 0.0))
 
 
 @dataclass(frozen=True)
@@ -261,6 +268,21 @@ def allreduce_s(nbytes: float, nodes: int, cluster: Cluster, topology: str = "ri
     intra = 2 * (g - 1) * ai + 2 * (g - 1) / g * nbytes / bi if g > 1 else 0.0
     hops = 2 * math.ceil(math.log2(m)) if cluster.inter_algorithm == "halving_doubling" else 2 * (m - 1)
     return intra + hops * ae + 2 * (m - 1) / m * nbytes / be
+
+
+def link_bytes(nbytes: float, nodes: int, cluster: Cluster, topology: str = "ring") -> list[tuple[str, float]]:
+    """The bandwidth terms of :func:`allreduce_s`: ("intra" or "inter", the bytes each device's link carries at
+    that link's rate) for one all-reduce of ``nbytes``."""
+    g, m = cluster.devices_per_node, nodes
+    n = g * m
+    if n == 1:
+        return []
+    if m == 1:
+        return [("intra", 2 * (g - 1) / g * nbytes)]
+    if topology == "ring":  # its slowest link sets the rate
+        slow = "inter" if cluster.inter.bus_bandwidth_Bps <= cluster.intra.bus_bandwidth_Bps else "intra"
+        return [(slow, 2 * (n - 1) / n * nbytes)]
+    return ([("intra", 2 * (g - 1) / g * nbytes)] if g > 1 else []) + [("inter", 2 * (m - 1) / m * nbytes)]
 
 
 def reduced_share(nodes: int, cluster: Cluster, topology: str = "ring") -> float:
@@ -389,9 +411,36 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
     gamma = profile.gamma_s_per_byte.get("float16", 0.0) if scheme.compression == "fp16" else 0.0
     share = reduced_share(nodes, cluster, scheme.topology)
 
-    def one(nbytes: float) -> float:
-        return allreduce_s(nbytes, nodes, cluster, scheme.topology) + share * nbytes * gamma
+    links = {"intra": cluster.intra, "inter": cluster.inter}
+    bursty = devices > 1 and any(link.burst_bytes > 0 for link in links.values())
+    tokens = {name: link.burst_bytes for name, link in links.items()}  # the buckets' levels, drawn in order
 
+    def one(nbytes: float) -> float:
+        seconds = allreduce_s(nbytes, nodes, cluster, scheme.topology) + share * nbytes * gamma
+        for name, sent in link_bytes(nbytes, nodes, cluster, scheme.topology) if bursty else ():
+            burst = min(tokens[name], sent)  # these bytes go at once instead of at the rate
+            tokens[name] -= burst
+            seconds -= burst / links[name].bus_bandwidth_Bps
+        return seconds
+
+    # The buckets start a step as full as the link's idle time since the last step refilled them; that
+    # time depends on the step, so the two are solved together (a few rounds: the burst is one term).
+    level = {name: link.burst_bytes for name, link in links.items()}
+    for _ in range(8 if bursty else 1):
+        tokens.update(level)
+        comm, per, step, stall, codec = _communicate(profile, scheme, devices, cluster.devices_per_node, one,
+                                                     overlap_backward)
+        idle = max(0.0, step / per - comm.busy_s)  # per synchronisation: local SGD's idles H steps
+        new = {name: min(link.burst_bytes, link.bus_bandwidth_Bps * idle) for name, link in links.items()}
+        if all(abs(new[k] - level[k]) < 1.0 for k in level):
+            break
+        level = new
+    return _prediction(profile, cluster, scheme, nodes, devices, comm, per, stall, step, codec, epochs, images)
+
+
+def _communicate(profile: Profile, scheme: Scheme, devices: int, devices_per_node: int,
+                 one: Callable[[float], float], overlap_backward: bool) -> tuple[Overlap, float, float, float, float]:
+    """One step's reduction: (its overlap, 1/H, the step's seconds, the input stall, the codec)."""
     threshold = profile.fusion_threshold_bytes
     if devices == 1:
         comm = Overlap(0, 0.0, profile.backward_s, 0.0)
@@ -421,16 +470,21 @@ def predict(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, *, o
         comm = overlap(sync, profile.backward_s, one, threshold, after_backward=True)
         per = 1.0 / scheme.local_steps
     codec = 0.0 if devices == 1 else profile.codec_s.get(_codec_key(scheme), 0.0) * per
+    inner = profile.compute_s + codec + comm.exposed_s * per + comm.collectives * profile.beta_s * per
+    stall = 0.0
+    if profile.input_images_per_sec is not None:
+        need = devices_per_node * profile.per_replica_batch / profile.input_images_per_sec
+        stall = max(0.0, need - inner)
+    return comm, per, inner + stall, stall, codec
+
+
+def _prediction(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, devices: int, comm: Overlap,
+                per: float, stall: float, step: float, codec: float, epochs: float | None,
+                images: int | None) -> StepPrediction:
     exposed = comm.exposed_s * per
     negotiation = comm.collectives * profile.beta_s * per
     busy = comm.busy_s * per
     compute = profile.compute_s
-    inner = compute + codec + exposed + negotiation
-    stall = 0.0
-    if profile.input_images_per_sec is not None:
-        need = cluster.devices_per_node * profile.per_replica_batch / profile.input_images_per_sec
-        stall = max(0.0, need - inner)
-    step = inner + stall
     ips = devices * profile.per_replica_batch / step
     single = profile.per_replica_batch / compute
     if profile.input_images_per_sec is not None:

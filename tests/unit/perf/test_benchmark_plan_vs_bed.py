@@ -48,29 +48,34 @@ def test_the_bed_is_one_device_per_host_on_the_tcp_payload_rate_of_the_shaped_li
     cluster = planlib.Cluster.from_dict(d)  # what `hvrep plan --cluster` reads
     assert cluster.inter.bus_bandwidth_Bps == pytest.approx(119_550_859, rel=1e-6)
     assert pvb.bed_cluster(0.1)["inter"]["bandwidth_GBps"] == pytest.approx(0.0119551, rel=1e-5)
+    # tbf's bucket, 128 KiB of frames at these rates (netbed.tbf_burst_bytes), in payload bytes.
+    assert cluster.inter.burst_bytes == pytest.approx(131072 * 1448 / 1514)
+    assert pvb.bed_cluster(0.1)["inter"]["burst_bytes"] == pytest.approx(131072 * 1448 / 1514)
     with pytest.raises(ValueError, match="link_gbit"):
         pvb.bed_cluster(0)
 
 
 def test_the_plan_for_two_hosts_at_1_gbit_fp32_by_hand(pvb):
-    # ring over 2 hosts: 2·(1/2)·4e6 B / 119,550,859 B/s = 33.459 ms after the backward pass, all exposed;
-    # step = 150 ms compute + 33.459 + β 2 = 185.459 ms; efficiency = 150 / 185.459 = 0.80881.
+    # ring over 2 hosts: 2·(1/2)·4e6 B / 119,550,859 B/s = 33.459 ms after the backward pass, all exposed, of
+    # which tbf's bucket (131,072 frame bytes, refilled in 1.049 ms of the 152 ms the link idles) sends 1.049
+    # ms' worth at once: 32.410 ms; step = 150 ms compute + 32.410 + β 2 = 184.410 ms; eff = 0.81340.
     p = pvb.predict_point(PROFILE, 1.0, "fp32", 2)
-    assert p["predicted_step_s"] == pytest.approx(0.185459, rel=1e-5)
-    assert p["predicted_efficiency"] == pytest.approx(0.808806, rel=1e-5)
+    assert p["predicted_step_s"] == pytest.approx(0.184410, rel=1e-5)
+    assert p["predicted_efficiency"] == pytest.approx(0.813405, rel=1e-5)
     assert p["plan_compute_s"] == pytest.approx(0.15)
 
 
 def test_the_plan_for_four_hosts_at_0_1_gbit_fp16_and_local_sgd_by_hand(pvb):
-    # fp16: 2·(3/4)·2e6 B / 11,955,086 B/s = 250.939 ms; step 150 + 250.939 + 2 = 402.939 ms; eff 0.37226.
+    # fp16: 2·(3/4)·2e6 B / 11,955,086 B/s = 250.939 ms, less the bucket's 131,072 B at 12.5 MB/s of frames,
+    # 10.486 ms: 240.453; step 150 + 240.453 + 2 = 392.453 ms; eff 0.38221.
     p = pvb.predict_point(PROFILE, 0.1, "fp16", 4)
-    assert p["predicted_step_s"] == pytest.approx(0.402939, rel=1e-5)
-    assert p["predicted_efficiency"] == pytest.approx(0.372265, rel=1e-5)
-    # local SGD, H = 4, 2 hosts at 1 Gbit/s: the 4 MB of weights every 4th step: (33.459 + 2) / 4 = 8.865 ms;
-    # step 158.865 ms; eff 0.94420.
+    assert p["predicted_step_s"] == pytest.approx(0.392453, rel=1e-5)
+    assert p["predicted_efficiency"] == pytest.approx(0.382211, rel=1e-5)
+    # local SGD, H = 4, 2 hosts at 1 Gbit/s: the 4 MB of weights every 4th step: (32.410 + 2) / 4 = 8.602 ms;
+    # step 158.602 ms; eff 0.94576.
     q = pvb.predict_point(PROFILE, 1.0, "local:4", 2)
-    assert q["predicted_step_s"] == pytest.approx(0.158865, rel=1e-5)
-    assert q["predicted_efficiency"] == pytest.approx(0.944200, rel=1e-5)
+    assert q["predicted_step_s"] == pytest.approx(0.158602, rel=1e-5)
+    assert q["predicted_efficiency"] == pytest.approx(0.945761, rel=1e-5)
 
 
 def test_a_local_sgd_call_of_h_steps_is_divided_by_h_and_efficiency_is_against_the_concurrent_compute(pvb):
@@ -104,22 +109,23 @@ def test_the_workers_schemes_map_to_hvrep_settings():
 
 def test_the_plan_can_take_the_contended_compute_keeping_the_profiles_split(pvb):
     # compute 300 ms in place of 150 (forward 100, backward 200): fp32, 2 hosts, 1 Gbit/s: the bucket still
-    # leaves when the backward pass ends: step 300 + 33.459 + 2 = 335.459 ms; efficiency 300 / 335.459 = 0.89430.
+    # leaves when the backward pass ends: step 300 + (33.459 - 1.049 of tbf's burst) + 2 = 334.410 ms;
+    # efficiency 300 / 334.410 = 0.89710.
     p = pvb.predict_point(PROFILE, 1.0, "fp32", 2, compute_s=0.3)
     assert p["plan_compute_s"] == pytest.approx(0.3)
     assert p["plan"]["compute_s"] == pytest.approx(0.3)
-    assert p["predicted_step_s"] == pytest.approx(0.335459, rel=1e-5)
-    assert p["predicted_efficiency"] == pytest.approx(0.894298, rel=1e-5)
+    assert p["predicted_step_s"] == pytest.approx(0.334410, rel=1e-5)
+    assert p["predicted_efficiency"] == pytest.approx(0.897102, rel=1e-5)
 
 
 def test_the_contended_compute_stretches_the_codec_and_gamma_alike(pvb):
     # compute 300 ms in place of 150: x2. fp16, 2 hosts, 1 Gbit/s (0.119551 GB/s of TCP payload): 2 MB on
-    # the wire, 2 * 1/2 * 2e6 / 0.119551e9 = 16.729 ms; γ 5 ns/B x2 on the 1/2 of 2 MB each host sums: 10 ms;
-    # codec 4 ms x2 = 8 ms. Step 300 + 8 + 16.729 + 10 + 2 = 336.729 ms.
+    # the wire, 2 * 1/2 * 2e6 / 0.119551e9 = 16.729 ms, less tbf's burst, 1.049 ms: 15.680; γ 5 ns/B x2 on
+    # the 1/2 of 2 MB each host sums: 10 ms; codec 4 ms x2 = 8 ms. Step 300 + 8 + 15.680 + 10 + 2 = 335.680 ms.
     profile = {"plan_inputs": {**PROFILE["plan_inputs"], "gamma_s_per_byte": {"float16": 5e-9},
                                "codec_s": {"fp16": 0.004}}}
     p = pvb.predict_point(profile, 1.0, "fp16", 2, compute_s=0.3)
     assert p["plan"]["codec_s"] == pytest.approx(0.008)
-    assert p["predicted_step_s"] == pytest.approx(0.3367293, rel=1e-6)
-    alone = pvb.predict_point(profile, 1.0, "fp16", 2)  # the profile's own: 150 + 4 + 16.729 + 5 + 2
-    assert alone["predicted_step_s"] == pytest.approx(0.1777293, rel=1e-6)
+    assert p["predicted_step_s"] == pytest.approx(0.3356807, rel=1e-6)
+    alone = pvb.predict_point(profile, 1.0, "fp16", 2)  # the profile's own: 150 + 4 + 15.680 + 5 + 2
+    assert alone["predicted_step_s"] == pytest.approx(0.1766807, rel=1e-6)

@@ -179,6 +179,57 @@ def test_a_schemes_codec_runs_in_series_with_the_compute():
         _profile(gamma_s_per_byte=[1e-9])
 
 
+def _bursty(bandwidth_GBps: float, burst_bytes: float) -> plan.Cluster:
+    return plan.Cluster(1, Interconnect("intra", 10.0, 0.0), Interconnect("inter", bandwidth_GBps, 0.0, burst_bytes))
+
+
+def test_a_links_burst_sends_what_its_bucket_holds_at_once_and_refills_while_the_link_idles():
+    # fp32, 2 nodes x 1 device, 1 GB/s: 8e9 B on each link, 8 s, after the backward pass (one tensor).
+    # A 2e9 B bucket: it refills in 2 s, and the link idles 3.1 s a step (compute + negotiation): full at
+    # every step's start, 2e9 B go at once -> 6 s on the link; step 3 + 6 + 0.1.
+    r = plan.predict(_profile(), _bursty(1.0, 2e9), plan.Scheme("fp32"), 2)
+    assert (r.communication_s, r.step_s) == (pytest.approx(6.0), pytest.approx(9.1))
+    # A 5e9 B bucket refills only 1 GB/s x 3.1 s = 3.1e9 B between steps -> 4.9 s on the link.
+    r = plan.predict(_profile(), _bursty(1.0, 5e9), plan.Scheme("fp32"), 2)
+    assert (r.communication_s, r.step_s) == (pytest.approx(4.9), pytest.approx(8.0))
+    # Local SGD, H = 4: the link idles 4 steps' compute between exchanges (12.1 s): the whole 5e9 B each
+    # time -> 3 s per exchange, 0.75 s a step.
+    r = plan.predict(_profile(), _bursty(1.0, 5e9), plan.Scheme("local", local_steps=4), 2)
+    assert (r.exposed_communication_s, r.step_s) == (pytest.approx(0.75), pytest.approx(3 + 0.75 + 0.025))
+    # No burst: the α-β model as before (the fp32 case above: 8 s, step 11.1).
+    assert plan.predict(_profile(), _bursty(1.0, 0.0), plan.Scheme("fp32"), 2).step_s == pytest.approx(11.1)
+
+
+def test_a_steps_collectives_draw_on_the_bucket_in_order():
+    # PowerSGD rank 1 on one 1000 x 1000 gradient: two rounds of 4000 B at 1000 B/s, 4 s each (the case
+    # above, step 11.2). A 6000 B bucket would send round 1 at once and 2000 B of round 2; but between steps
+    # the link idles 3.2 s (compute + 2 negotiations) and refills 3200 B: round 1 takes (4000 - 3200) / 1000
+    # = 0.8 s, round 2 the whole 4 s; step 3 + 4.8 + 0.2.
+    p = _profile(grad_bytes=4e6, gradient_shapes=((1000, 1000),))
+    r = plan.predict(p, _bursty(1e-6, 6000.0), plan.Scheme("powersgd", rank=1), 2)
+    assert (r.exposed_communication_s, r.step_s) == (pytest.approx(4.8), pytest.approx(8.0))
+
+
+def test_the_bucket_belongs_to_the_link_whose_rate_prices_the_bytes():
+    # Flat ring over 2 nodes of 4: each device's link carries 2*7/8*b at the slower (inter) link's rate;
+    # two levels: 2*3/4*b in the node, 2*1/2*b between nodes; one node: the node's link only.
+    assert plan.link_bytes(1e9, 2, _cluster(4), "ring") == [("inter", pytest.approx(1.75e9))]
+    assert plan.link_bytes(1e9, 2, _cluster(4), "hierarchical") == [("intra", pytest.approx(1.5e9)),
+                                                                    ("inter", pytest.approx(1e9))]
+    assert plan.link_bytes(1e9, 1, _cluster(4), "ring") == [("intra", pytest.approx(1.5e9))]
+    assert plan.link_bytes(1e9, 1, _cluster(1), "ring") == []
+    # A burst on the fast intra link does nothing to a flat ring priced at the inter link's rate.
+    fast_burst = plan.Cluster(4, Interconnect("intra", 10.0, 1.0, 1e12), Interconnect("inter", 2.0, 10.0))
+    assert plan.predict(_profile(), fast_burst, plan.Scheme("fp32"), 2).step_s == \
+        plan.predict(_profile(), _cluster(4), plan.Scheme("fp32"), 2).step_s
+    # The description's optional field, and a bad one named.
+    c = plan.Cluster.from_dict({"devices_per_node": 1, "intra": "nvlink",
+                                "inter": {"bandwidth_GBps": 0.1, "latency_us": 0, "burst_bytes": 131072}})
+    assert c.inter.burst_bytes == 131072 and c.intra.burst_bytes == 0.0
+    with pytest.raises(ConfigError, match="burst_bytes must be a finite number >= 0"):
+        Interconnect("x", 1.0, 0.0, -1.0)
+
+
 def test_a_slow_input_pipeline_sets_the_step_and_the_baseline():
     # fp16 step 7.1 s; the node needs 32 images at 4 images/s = 8 s: 0.9 s of stall. One device alone is
     # also input-bound (4 < 32/3 images/s), so the efficiency is 1.
