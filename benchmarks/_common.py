@@ -173,6 +173,20 @@ def pin_to_local_core() -> int:
     return core
 
 
+def small_page_pairs(values: int, fill: float, pairs: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``pairs`` (send, receive) float32 buffers of ``values`` on 4 KB pages, like TensorFlow's.
+
+    numpy asks the kernel for transparent huge pages for arrays of 4 MB and more (madvise); TensorFlow's
+    allocator does not, and Open MPI's single-copy transfer (CMA) pins every page of the peer's buffer.
+    """
+    huge = np.core.multiarray._get_madvise_hugepage()
+    np.core.multiarray._set_madvise_hugepage(False)
+    try:
+        return [(np.full(values, fill, np.float32), np.empty(values, np.float32)) for _ in range(pairs)]
+    finally:
+        np.core.multiarray._set_madvise_hugepage(huge)
+
+
 def two_rank_command(launcher: str, script: str, script_args: Sequence[str]) -> list[str]:
     """``mpirun`` (``-m mpi4py``: one rank's error ends both) or ``horovodrun --gloo``: ``script`` on 2 ranks here."""
     bin_dir = Path(sys.executable).parent

@@ -64,8 +64,7 @@ def _worker(args: argparse.Namespace) -> int:
     hvd = compat.import_horovod()
     values = args.bytes // 4
     x = tf.constant(np.full(values, 1.0 + repl.rank, np.float32))
-    np.core.multiarray._set_madvise_hugepage(False)  # 4 KB pages, like TensorFlow's buffers
-    pairs = [(np.full(values, 1.0 + repl.rank, np.float32), np.empty(values, np.float32)) for _ in range(4)]
+    pairs = _common.small_page_pairs(values, 1.0 + repl.rank, 4)  # 4 KB pages, like TensorFlow's buffers
     turn = itertools.cycle(range(len(pairs)))
     flush = horovod_patches.FLUSH_NAME
     comm = MPI.COMM_WORLD

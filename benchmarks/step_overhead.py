@@ -83,6 +83,8 @@ VARIANT_CASE = {"timeline_4mb": (4 << 20, 1)}
 def _case(variant: str) -> tuple[int, int]:
     """(bytes, tensors) of the one case a variant launch runs."""
     return VARIANT_CASE.get(variant, (16 << 10, 1))
+
+
 COLD_PAIRS = 4  # the cold floor's pairs of buffers, used in turn
 TORCH_PYTHON = Path.home() / ".cache/hvrep/torch-gloo-venv/bin/python"
 
@@ -234,19 +236,11 @@ def _worker(args: argparse.Namespace) -> int:
                 # The same on buffers of 4 KB pages: numpy asks for transparent huge pages for arrays of 4 MB and
                 # more (madvise), TensorFlow's allocator does not, and Open MPI's single-copy transfer (CMA) pins
                 # every page of the peer's buffer: the floor's transport on memory like the reduction's.
-                huge = np.core.multiarray._get_madvise_hugepage()
-                np.core.multiarray._set_madvise_hugepage(False)
-                small = (np.full(nbytes // 4, 1.0 + rank, np.float32), np.empty(nbytes // 4, np.float32))
-                np.core.multiarray._set_madvise_hugepage(huge)
-                contenders[("floor_small_pages", nbytes)] = lambda b=small: mpi.COMM_WORLD.Allreduce(b[0], b[1],
-                                                                                                       op=mpi.SUM)
+                (small,) = _common.small_page_pairs(nbytes // 4, 1.0 + rank, 1)
+                contenders[("floor_small_pages", nbytes)] = lambda b=small: mpi.COMM_WORLD.Allreduce(*b, op=mpi.SUM)
                 # And on 4 such pairs used in turn: a step's tensors are allocated afresh, and TensorFlow's
                 # allocator hands back a few blocks in turn, so the reduction's memory is not hot in the caches.
-                np.core.multiarray._set_madvise_hugepage(False)
-                cold = [(np.full(nbytes // 4, 1.0 + rank, np.float32), np.empty(nbytes // 4, np.float32))
-                        for _ in range(COLD_PAIRS)]
-                np.core.multiarray._set_madvise_hugepage(huge)
-                turns = itertools.cycle(cold)
+                turns = itertools.cycle(_common.small_page_pairs(nbytes // 4, 1.0 + rank, COLD_PAIRS))
                 contenders[("floor_cold", nbytes)] = lambda t=turns: mpi.COMM_WORLD.Allreduce(*next(t), op=mpi.SUM)
             else:
                 contenders[("floor", nbytes)] = nbytes
