@@ -73,6 +73,10 @@ def _env_module():
     # hvrep/_env.py names every environment variable hvrep reads; load it by
     # path, because `import hvrep` imports TensorFlow, which --harness-only
     # must not need.
+    # It imports hvrep.errors (standard library only), so the repository must be importable: on a GPU
+    # machine with no hvrep installed, `python kernels/build.py --harness-only` runs from a bare checkout.
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location("_hvrep_env", ROOT / "hvrep" / "_env.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -7,10 +7,13 @@
 // shapes file's tensors and on a list of awkward sizes and misaligned
 // pointers; pack/unpack over dtype pairs, exact to the bit (NaN, Inf, +/-0
 // and f16 subnormals included; see SameElement for NaN), with guard bytes
-// after the outputs and sources misaligned by an element; the empty list, an
-// n = 0 tensor and argument errors. Timing: fused LARS, a per-tensor LARS of
-// 5 small kernels per tensor, pack and unpack; median and p10/p90 of
-// per-call CUDA event times, GB/s and the fraction of peak memory bandwidth.
+// after the outputs and sources misaligned by an element; unpack one piece per
+// call at aligned starts inside the buffer, as HvrepUnpack does with align > 1
+// (see Packed); the empty list, an n = 0 tensor and argument errors. Without a
+// device, the CPU side of the per-piece unpack and the argument checks still
+// run. Timing: fused LARS, a per-tensor LARS of 5 small kernels per tensor,
+// pack and unpack; median and p10/p90 of per-call CUDA event times, GB/s and
+// the fraction of peak memory bandwidth.
 //
 // Exit codes: 0 every check passed; 1 a check or a CUDA call failed;
 // 2 bad command line or unreadable shapes file; 3 no CUDA device (no driver,
@@ -311,8 +314,17 @@ hvrep_lars_hparams Hparams(int nesterov) {
 
 // Relative error (see CompareArrays) allowed after the first step and after
 // later ones. After one step the GPU differs from the CPU only where the norms,
-// summed in another order, round differently: a few ulps of the ratio, so a
-// few ulps of every element (f32 ulp 6e-8, f64 1.1e-16). Later steps start
+// summed in another order, round differently. In f32 the sums are taken in
+// double, so the ratio differs by a few f32 ulps at most (6e-8 each). In f64
+// they are taken in the data's own precision: the CPU adds each 32K-element
+// unit in sequence, the GPU in a tree, and a sum of n positive terms in
+// sequence is off by up to (n - 1) ulps (f64: 32768 x 1.1e-16 = 3.6e-12), by
+// about sqrt(n) ulps typically (2e-14 per norm, a few norms per ratio); v's
+// two terms can cancel, which raises an element's relative error further. The
+// first run on a GPU (an H200, 2026-11-27) gave 9.1e-14 over ResNet-50's
+// shapes and 1.3e-14 over the odd sizes, above the 1e-14 first set here from
+// "a few ulps"; 1e-12 keeps the worst case of the order alone in bounds while
+// a wrong kernel is still off by 1e-3 or worse. Later steps start
 // from states that already differ and add a new difference each step; v
 // carries them on (v = 0.9 v + ...: up to 1 / (1 - 0.9) = 10 steps' worth),
 // w = w - v sums them, and a changed w changes the next ratio. The later
@@ -322,7 +334,7 @@ hvrep_lars_hparams Hparams(int nesterov) {
 struct LarsTolerance {
   double first_step, later_steps;
 };
-constexpr LarsTolerance kTolF32{1e-6, 1e-4}, kTolF64{1e-14, 1e-12};
+constexpr LarsTolerance kTolF32{1e-6, 1e-4}, kTolF64{1e-12, 1e-10};
 
 // Runs `steps` LARS steps on the CPU and the GPU from the same state and
 // compares w and v. Returns the checks (one per compared step).
@@ -557,42 +569,162 @@ Check CheckPack(const std::string& name, const std::vector<int64_t>& n, const st
   return Check{name, mis == 0, mis ? 1.0 : 0.0, mis, total};
 }
 
+// The buffer an unpack reads, and where each piece of it starts (elements).
+// align 0: the pieces back to back, filled as one tensor, unpacked by one call
+// for the whole list. align >= 1: HvrepUnpack's layout with that `align`
+// attribute (kernels/tf/hvrep_ops.h, UnpackOp): piece i > 0 starts at the next
+// multiple of align after piece i-1 ends, zeros between, and the op calls the
+// kernel once per piece with its source at base + start * element size (with
+// align > 1, or with share). With align 1 or 3 and odd sizes most of those
+// sources are not 16-byte aligned, which the unpack of a whole list from the
+// buffer's start never shows the kernel. Each piece is filled on its own, so
+// the specials sit at its start (the scalar head of a misaligned source).
+struct Packed {
+  TensorSet buf;               // one rank-1 tensor, the guard after it
+  std::vector<int64_t> start;  // each piece's first element in buf
+  int64_t align;
+};
+
+Packed MakePacked(const std::vector<int64_t>& n, int dtype, int64_t align, Rng& rng) {
+  Packed p;
+  p.align = align;
+  int64_t at = 0;
+  for (size_t i = 0; i < n.size(); ++i) {
+    if (i > 0 && align > 0) at = (at + align - 1) / align * align;
+    p.start.push_back(at);
+    at += n[i];
+  }
+  p.buf = MakeSet({at}, {dtype}, align == 0, rng);
+  if (align > 0) {
+    std::fill(p.buf.host.begin(), p.buf.host.begin() + p.buf.bytes, 0);
+    for (size_t i = 0; i < n.size(); ++i) FillRandom(p.buf.host.data() + p.start[i] * Size(dtype), dtype, n[i], rng);
+  }
+  return p;
+}
+
+// Unpacks `p`, at `base` (host or device memory), into `dsts` as the op
+// does for p.align; unpack(src, num, dsts) is one hvrep_unpack_cpu/_cuda call.
+template <typename F>
+int UnpackPacked(const Packed& p, const unsigned char* base, const std::vector<hvrep_tensor_ref>& dsts, F unpack) {
+  if (p.align == 0) return unpack(base, static_cast<int>(dsts.size()), dsts.data());
+  const size_t esize = Size(p.buf.dtype[0]);
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    if (const int rc = unpack(base + p.start[i] * esize, 1, &dsts[i]); rc != HVREP_OK) return rc;
+  }
+  return HVREP_OK;
+}
+
+// Elements that differ between two unpacks into the same layout (see
+// SameElement), plus the bytes that differ in the padding between tensors and
+// in the guard: unpack must not write outside its tensors.
+int64_t CompareUnpacked(const std::string& name, const TensorSet& a, const TensorSet& b) {
+  const unsigned char *c = a.host.data(), *g = b.host.data();
+  int64_t mis = 0;
+  size_t end = 0;
+  for (size_t i = 0; i < a.n.size(); ++i) {
+    const size_t off = a.byte_off[i];
+    mis += CountByteMismatches(c + end, g + end, off - end);
+    mis += CountMismatches(c + off, g + off, a.n[i], a.dtype[i]);
+    end = off + a.n[i] * Size(a.dtype[i]);
+  }
+  mis += CountByteMismatches(c + end, g + end, a.bytes - end);
+  const int64_t guard = CountByteMismatches(c + a.bytes, g + a.bytes, kGuardBytes);
+  ReportGuard(name, guard);
+  return mis + guard;
+}
+
+// align 0: one call for the list; align >= 1: one call per piece, on the CPU
+// and the GPU alike (see Packed).
 Check CheckUnpack(const std::string& name, const std::vector<int64_t>& n, int src_dtype,
-                  const std::vector<int>& dst_dtypes, double scale, cudaStream_t stream, Rng& rng) {
-  const int64_t total = Total(n);
-  TensorSet buf = MakeSet({total}, {src_dtype}, true, rng);
+                  const std::vector<int>& dst_dtypes, double scale, cudaStream_t stream, Rng& rng, int64_t align = 0) {
+  const Packed p = MakePacked(n, src_dtype, align, rng);
   TensorSet cpu = MakeSet(n, dst_dtypes, false, rng), gpu = MakeSet(n, dst_dtypes, false, rng);
-  DeviceBuffer d_src(buf.bytes), d_dst(gpu.host.size()), d_scale(sizeof(double));
-  d_src.Upload(buf.host.data(), buf.bytes);
+  DeviceBuffer d_src(p.buf.bytes), d_dst(gpu.host.size()), d_scale(sizeof(double));
+  d_src.Upload(p.buf.host.data(), p.buf.bytes);
   d_dst.Upload(gpu.host.data(), gpu.host.size());  // the same 0xAB pattern as the CPU side, guard included
   d_scale.Upload(&scale, sizeof(double));
   const auto cpu_refs = Refs(cpu, cpu.host.data());
   const auto gpu_refs = Refs(gpu, d_dst.get<unsigned char>());
-  const int num = static_cast<int>(n.size());
-  HvCheck(hvrep_unpack_cpu(buf.host.data(), src_dtype, num, cpu_refs.data(), &scale, nullptr, nullptr),
-          "hvrep_unpack_cpu");
-  DeviceBuffer ws(hvrep_pack_cuda_workspace_bytes(num));
-  HvCheck(hvrep_unpack_cuda(d_src.get(), src_dtype, num, gpu_refs.data(), d_scale.get<double>(), ws.get(), ws.bytes(),
-                            stream),
-          "hvrep_unpack_cuda");
+  // One workspace for all the calls of a per-piece unpack: they run in
+  // stream order, as TensorFlow's allocator hands each call's temp back.
+  DeviceBuffer ws(hvrep_pack_cuda_workspace_bytes(static_cast<int>(n.size())));
+  auto on_cpu = [&](const void* src, int num, const hvrep_tensor_ref* dsts) {
+    return hvrep_unpack_cpu(src, src_dtype, num, dsts, &scale, nullptr, nullptr);
+  };
+  auto on_gpu = [&](const void* src, int num, const hvrep_tensor_ref* dsts) {
+    return hvrep_unpack_cuda(src, src_dtype, num, dsts, d_scale.get<double>(), ws.get(), ws.bytes(), stream);
+  };
+  HvCheck(UnpackPacked(p, p.buf.host.data(), cpu_refs, on_cpu), "hvrep_unpack_cpu");
+  HvCheck(UnpackPacked(p, d_src.get<unsigned char>(), gpu_refs, on_gpu), "hvrep_unpack_cuda");
   CudaCheck(cudaStreamSynchronize(stream), "unpack");
   d_dst.Download(gpu.host.data(), gpu.host.size());
-  // The tensors element by element; the padding between them and the guard
-  // byte by byte: unpack must not write outside its tensors.
-  const unsigned char *c = cpu.host.data(), *g = gpu.host.data();
-  int64_t mis = 0;
-  size_t end = 0;
+  const int64_t mis = CompareUnpacked(name, cpu, gpu);
+  return Check{name, mis == 0, mis ? 1.0 : 0.0, mis, Total(n)};
+}
+
+// The CPU side of the per-piece unpack, which needs no device: one call per
+// piece at its aligned start gives the bits of one call for the same pieces
+// back to back (where a piece starts changes nothing in the reference the GPU
+// is compared with).
+Check CheckUnpackPiecesCpu(const std::string& name, const std::vector<int64_t>& n, int src_dtype,
+                           const std::vector<int>& dst_dtypes, double scale, int64_t align, Rng& rng) {
+  const Packed apart = MakePacked(n, src_dtype, align, rng);
+  Packed together{MakeSet({Total(n)}, {src_dtype}, false, rng), {}, 0};
+  const size_t esize = Size(src_dtype);
+  int64_t at = 0;
   for (size_t i = 0; i < n.size(); ++i) {
-    const size_t off = cpu.byte_off[i];
-    mis += CountByteMismatches(c + end, g + end, off - end);
-    mis += CountMismatches(c + off, g + off, n[i], dst_dtypes[i]);
-    end = off + n[i] * Size(dst_dtypes[i]);
+    together.start.push_back(at);
+    std::memcpy(together.buf.host.data() + at * esize, apart.buf.host.data() + apart.start[i] * esize, n[i] * esize);
+    at += n[i];
   }
-  mis += CountByteMismatches(c + end, g + end, cpu.bytes - end);
-  const int64_t guard = CountByteMismatches(c + cpu.bytes, g + cpu.bytes, kGuardBytes);
-  ReportGuard(name, guard);
-  mis += guard;
-  return Check{name, mis == 0, mis ? 1.0 : 0.0, mis, total};
+  TensorSet per_piece = MakeSet(n, dst_dtypes, false, rng), one_call = MakeSet(n, dst_dtypes, false, rng);
+  auto on_cpu = [&](const void* src, int num, const hvrep_tensor_ref* dsts) {
+    return hvrep_unpack_cpu(src, src_dtype, num, dsts, &scale, nullptr, nullptr);
+  };
+  HvCheck(UnpackPacked(apart, apart.buf.host.data(), Refs(per_piece, per_piece.host.data()), on_cpu),
+          "hvrep_unpack_cpu per piece");
+  HvCheck(UnpackPacked(together, together.buf.host.data(), Refs(one_call, one_call.host.data()), on_cpu),
+          "hvrep_unpack_cpu");
+  const int64_t mis = CompareUnpacked(name, one_call, per_piece);
+  return Check{name, mis == 0, mis ? 1.0 : 0.0, mis, Total(n)};
+}
+
+// Unpack one piece per call at aligned starts (see Packed) from every buffer
+// dtype into every destination dtype, with align 1, 3 and 64 bytes
+// (hvrep.kernels.align_for), scales 1 and 1/3: the GPU against the CPU where
+// there is a device (`gpu`), and the CPU side alone in any case. The pieces:
+// each size once per destination dtype, sizes outermost, so with align 1 and 3
+// the 16387-element pieces start at every residue mod 4 (a vector of 4) and
+// the short ones at several; 16387 crosses a chunk boundary (kChunk = 16384)
+// and leaves a 3-element tail; an empty piece (a zero-size variable) still
+// gets its call. About 70K elements per check.
+std::vector<Check> CheckUnpackPerPiece(bool gpu, cudaStream_t stream, Rng& rng) {
+  std::vector<int64_t> n;
+  std::vector<int> dtypes;
+  for (const int64_t size : {1, 3, 5, 17, 1000, 16387}) {
+    for (int d = HVREP_F16; d <= HVREP_F64; ++d) {
+      n.push_back(size);
+      dtypes.push_back(d);
+    }
+    if (size == 5) {
+      n.push_back(0);
+      dtypes.push_back(HVREP_F32);
+    }
+  }
+  const char* const names[] = {"f16", "bf16", "f32", "f64"};
+  std::vector<Check> checks;
+  for (int b = HVREP_F16; b <= HVREP_F64; ++b) {
+    for (const int64_t align : {int64_t{1}, int64_t{3}, static_cast<int64_t>(64 / Size(b))}) {
+      const std::string what = std::string(names[b]) + "->mixed, align " + std::to_string(align);
+      checks.push_back(CheckUnpackPiecesCpu("CPU unpack per piece = one call, " + what, n, b, dtypes, 1.0 / 3, align,
+                                            rng));
+      if (!gpu) continue;
+      checks.push_back(CheckUnpack("unpack per piece " + what + ", scale 1", n, b, dtypes, 1.0, stream, rng, align));
+      checks.push_back(CheckUnpack("unpack per piece " + what + ", scale 1/3", n, b, dtypes, 1.0 / 3, stream, rng,
+                                   align));
+    }
+  }
+  return checks;
 }
 
 // Return codes that need no device: each call fails its checks before it
@@ -897,6 +1029,8 @@ int main(int argc, char** argv) {
     report.cpu_lars_step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     report.checks.push_back(Check{"CPU LARS step runs", rc == HVREP_OK, 0.0, 0, report.num_params});
     for (const Check& c : CheckArguments()) report.checks.push_back(c);
+    Rng rng(2024);
+    for (const Check& c : CheckUnpackPerPiece(false, nullptr, rng)) report.checks.push_back(c);
     report.peak_source = "no device";
     const int code = Finish(report, opt, kExitNoDevice);
     const std::string why = drv_err == cudaSuccess && driver == 0 ? "no CUDA driver installed"
@@ -990,6 +1124,7 @@ int main(int argc, char** argv) {
   add(CheckUnpack("unpack f64->mixed, scale 1/3", n, HVREP_F64, mixed, 1.0 / 3, stream, rng));
   add(CheckUnpack("unpack odd sizes f32->mixed, scale 1/3", odd, HVREP_F32, odd_mixed, 1.0 / 3, stream, rng));
   add(CheckUnpack("unpack empty list", {}, HVREP_F32, {}, 1.0, stream, rng));
+  for (const Check& c : CheckUnpackPerPiece(true, stream, rng)) add(c);
 
   // --- Timing on the shapes file's tensors (f32 weights and gradients).
   {
