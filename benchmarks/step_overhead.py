@@ -19,6 +19,12 @@ backend (``all_reduce`` of one tensor of G bytes) in a child process of each ran
 the CPU PyTorch wheel in the venv ``--torch-python`` names (Horovod's sdist is not kept after hvrep builds it, so
 Gloo's own benchmark was not at hand; a floor that cannot run is a ``floor`` line with ``measured: false`` and why).
 
+Both ranks are on one host, so the entry points' default path is hvrep's shared-memory all-reduce
+(``hvrep.replica.shm``); ``--horovod-transport`` (default on) adds, in the same rounds, each with-step through
+Horovod's collectives (``CommConfig(local_transport="horovod")``, what a job across hosts uses): cost lines of
+``variant: "horovod_transport"``. The flush-off contenders and the breakdown's variants go through Horovod too
+(they take its machinery apart).
+
 Every contender runs round-robin: one sample of each per round, a sample being ``--inner`` back-to-back calls
 after a barrier, divided by ``--inner``; a round's sample is the slowest rank's. The cost of an entry point in a
 round is its with-sample minus its without-sample of that round; the lines hold every round's samples, so the
@@ -47,6 +53,7 @@ the command).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -168,7 +175,16 @@ def _worker(args: argparse.Namespace) -> int:
 
     import hvrep
 
-    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(timeout_s=0) if args.variant == "watchdog_off" else None)
+    # The breakdown's variants take Horovod's machinery apart, so their launches reduce through it.
+    config = hvrep.CommConfig(timeout_s=0 if args.variant == "watchdog_off" else 600.0,
+                              local_transport="auto" if args.variant == "default" else "horovod")
+    repl = hvrep.Replicator("horovod", config=config)
+    # The same reductions through Horovod's collectives (what a job spanning hosts uses; on one host the default
+    # is hvrep's shared-memory all-reduce, hvrep.replica.shm), side by side in the same rounds; the flush-off
+    # contenders, which ask how hvrep's Horovod build serves them, go through it too.
+    via_horovod = args.variant == "default" and (args.horovod_transport or args.flush_off)
+    repl_h = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport="horovod"))
+              if via_horovod else repl)
     if args.variant == "py_markers":
         from hvrep.replica import activity, watchdog
 
@@ -196,7 +212,8 @@ def _worker(args: argparse.Namespace) -> int:
     def barrier() -> None:
         repl.reduce(np.zeros((), np.float32), "sum")
 
-    contenders: dict[tuple, Any] = {}  # (entry, G, n, "with"|"with_flush_off"|"without") or ("floor", G) -> a call
+    # (entry, G, n, "with"|"with_horovod"|"with_flush_off"|"without") or ("floor", G) -> a call
+    contenders: dict[tuple, Any] = {}
     for nbytes in args.sizes:
         for n in TENSORS:
             if args.variant != "default" and (nbytes, n) != _case(args.variant):
@@ -215,8 +232,11 @@ def _worker(args: argparse.Namespace) -> int:
 
             contenders[("all_reduce", nbytes, n, "with")] = lambda f=with_ar, v=xs: repl.run(f, args=(v,))
             contenders[("all_reduce", nbytes, n, "without")] = lambda f=without_ar, v=xs: repl.run(f, args=(v,))
+            if via_horovod:
+                contenders[("all_reduce", nbytes, n, "with_horovod")] = lambda f=with_ar, v=xs: repl_h.run(f, args=(v,))
             if args.flush_off:
-                contenders[("all_reduce", nbytes, n, "with_flush_off")] = contenders[("all_reduce", nbytes, n, "with")]
+                contenders[("all_reduce", nbytes, n, "with_flush_off")] = contenders[
+                    ("all_reduce", nbytes, n, "with_horovod")]
             if args.variant == "default":
                 with repl.scope():
                     variables = [keras.Variable(np.zeros(k, np.float32)) for k in each]
@@ -225,9 +245,16 @@ def _worker(args: argparse.Namespace) -> int:
                 for opt, which in ((wrapped, "with"), (plain, "without")):
                     apply = _apply_step(opt, variables, f"{scope}_{which}")
                     contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
+                if via_horovod:
+                    with repl_h.scope():
+                        variables_h = [keras.Variable(np.zeros(k, np.float32)) for k in each]
+                        wrapped_h = repl_h.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
+                    apply = _apply_step(wrapped_h, variables_h, f"{scope}_with_horovod")
+                    contenders[("wrap_optimizer", nbytes, n, "with_horovod")] = (
+                        lambda f=apply, v=xs: repl_h.run(f, args=(v,)))
                 if args.flush_off:
                     contenders[("wrap_optimizer", nbytes, n, "with_flush_off")] = contenders[
-                        ("wrap_optimizer", nbytes, n, "with")]
+                        ("wrap_optimizer", nbytes, n, "with_horovod")]
         if args.variant == "default" and (mpi is not None or gloo is not None):
             if mpi is not None:
                 send = np.full(nbytes // 4, 1.0 + rank, np.float32)
@@ -291,10 +318,10 @@ def _worker(args: argparse.Namespace) -> int:
             records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
                             "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
                             "median_us": round(float(np.median(us)), 2)})
-        elif key[3] in ("with", "with_flush_off"):
+        elif key[3] in ("with", "with_horovod", "with_flush_off"):
             w, wo = col[key], col[(*key[:3], "without")]
             cost = [round(a - b, 2) for a, b in zip(w, wo, strict=True)]
-            variant = "flush_off" if key[3] == "with_flush_off" else args.variant
+            variant = {"with_flush_off": "flush_off", "with_horovod": "horovod_transport"}.get(key[3], args.variant)
             records.append({**base, "variant": variant, "kind": "cost", "entry": key[0], "bytes": key[1],
                             "tensors": key[2],
                             "with_us": w, "without_us": wo, "cost_us": cost,
@@ -323,7 +350,8 @@ def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argpar
         worker = ["--variant", variant, "--run-id", run_id, "--rounds", str(args.rounds), "--inner", str(args.inner),
                   "--warmup", str(args.warmup), "--store", f"{tmp}/torch-store",
                   "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes),
-                  "--flush-off" if args.flush_off and variant == "default" else "--no-flush-off"]
+                  "--flush-off" if args.flush_off and variant == "default" else "--no-flush-off",
+                  "--horovod-transport" if args.horovod_transport else "--no-horovod-transport"]
         command = _common.two_rank_command(launcher, __file__, ["--worker", "--launcher", launcher, *worker])
         proc = subprocess.run(command, env=_common.launch_env(ROOT, extra), cwd=ROOT, capture_output=True, text=True,
                               timeout=args.timeout)
@@ -378,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke test: 16 KB and 256 KB, 3 rounds of 3 calls")
     p.add_argument("--flush-off", action=argparse.BooleanOptionalAction, default=None,
                    help="add each with-step with HVREP_HOROVOD_FLUSH=0, alternating (default: on, off with --quick)")
+    p.add_argument("--horovod-transport", action=argparse.BooleanOptionalAction, default=True,
+                   help="add each with-step through Horovod's collectives (CommConfig(local_transport='horovod'): "
+                        "what a job across hosts uses), alternating with the default (default: on)")
     p.add_argument("--out", type=Path, default=Path("results/step_overhead.jsonl"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch (default 900)")
     p.add_argument("--torch-python", type=Path, default=TORCH_PYTHON,

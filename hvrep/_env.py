@@ -18,6 +18,7 @@ from hvrep.errors import ConfigError
 # hvrep's own settings.
 HVREP_CACHE_DIR = "HVREP_CACHE_DIR"  # where built wheels are cached (default ~/.cache/hvrep)
 HVREP_KERNELS = "HVREP_KERNELS"  # "off": never load the fused kernels (hvrep.kernels); default "auto"
+HVREP_LOCAL_TRANSPORT = "HVREP_LOCAL_TRANSPORT"  # "horovod" or "shm": replaces CommConfig(local_transport="auto")
 HVREP_KERNELS_DIR = "HVREP_KERNELS_DIR"  # where kernels/build.py put them (default: hvrep/_lib)
 # The hang watchdog's side channel (hvrep.replica.watchdog): rank 0's TCP port, or a range of ports to try in turn
 # ("29500-29599"; default 0: an ephemeral port), and the address it listens on and the other ranks dial (default:
@@ -180,6 +181,11 @@ def cache_dir() -> Path:
 def kernels_setting() -> str:
     """HVREP_KERNELS, lower-cased: "auto" (the default) or "off"."""
     return os.environ.get(HVREP_KERNELS, "auto").strip().lower()
+
+
+def local_transport_setting() -> str:
+    """HVREP_LOCAL_TRANSPORT, lower-cased; "" where unset."""
+    return os.environ.get(HVREP_LOCAL_TRANSPORT, "").strip().lower()
 
 
 def kernels_dir(default: Path) -> Path:

@@ -164,6 +164,7 @@ def build(work: Path, *, tf_flags: tuple[list[str], list[str]] | None, cxx: str,
                                                    "-o", str(cpu_obj)])
             b.run("linking the TF op library", [cxx, "-shared", *TF_CXXFLAGS, *cflags, *inc,
                                                 str(HERE / "tf" / "ops.cc"), str(HERE / "tf" / "watch.cc"),
+                                                str(HERE / "tf" / "shm.cc"),
                                                 str(cpu_obj), "-o",
                                                 str(work / CPU_LIB), *lflags])
             record["cpu"] = {"built": True, "library": CPU_LIB}

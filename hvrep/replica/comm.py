@@ -10,6 +10,7 @@ from hvrep.replica import support
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # CommConfig(outer_optimizer=...): what local SGD applies to the averaged change of each round (None: averaging).
 OUTER_OPTIMIZERS = (None, "nesterov")
+LOCAL_TRANSPORTS = ("auto", "horovod", "shm")
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,15 @@ class CommConfig:
         backend with more than one rank only: on the in-graph backends one
         process drives every replica, no rank can be missing, and it is not
         enforced.
+      local_transport: how the horovod backend's in-step reductions (the buckets of ``all_reduce``,
+        ``wrap_optimizer``, ``hvrep.keras``, PowerSGD, local SGD) reach the other ranks when every rank runs
+        on one host. "auto" (default): hvrep's shared-memory all-reduce (``hvrep.replica.shm``: each rank
+        copies its bucket into a file every rank maps, sums its share of it, copies the sum out; no
+        background thread, no network) where it applies: more than one rank, all on one host, no GPU, not
+        elastic, the kernels built; Horovod's collectives otherwise, and for everything else (eager
+        ``reduce``, broadcasts, gathers, integer reductions). "horovod": always Horovod. "shm": the
+        shared-memory all-reduce or a SetupError saying why it cannot apply. ``HVREP_LOCAL_TRANSPORT``
+        (``horovod`` or ``shm``), where set, replaces "auto". See docs/one-host.md.
       local_steps: None (default): synchronous SGD, gradients all-reduced at
         every step. H >= 1: local SGD (Lin et al. 2018): each replica updates
         its own copy of the model with its own gradients, with no collective,
@@ -156,6 +166,7 @@ class CommConfig:
     accumulation_steps: int = 1
     check_first_step: bool = True
     timeout_s: float = 600.0  # 0: never
+    local_transport: str = "auto"  # hvrep's shared-memory all-reduce where every rank is on one host
     # Local SGD (docs/local-sgd.md): its own block, last.
     local_steps: int | None = None  # None: synchronous SGD
     outer_optimizer: str | None = None  # None: plain averaging at each synchronisation
@@ -188,6 +199,8 @@ class CommConfig:
         if 0 < t < 5:
             raise ConfigError(f"timeout_s={t!r} is shorter than the watchdog's heartbeat can judge; use >= 5 s, "
                               "or 0 to never time out.")
+        if self.local_transport not in LOCAL_TRANSPORTS:
+            raise ConfigError(f"local_transport must be one of {LOCAL_TRANSPORTS}, got {self.local_transport!r}.")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}.")
         self._check_local_sgd()

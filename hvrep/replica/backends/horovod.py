@@ -32,7 +32,7 @@ import tensorflow as tf
 from hvrep import _env, compat
 from hvrep.compat import gloo_sockets, horovod_patches, removed_worker
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
-from hvrep.replica import activity, watchdog
+from hvrep.replica import activity, shm, watchdog
 from hvrep.replica.backends.base import Backend, FunctionCache, move_bf16_as_bits, reduce_bf16_as_f32
 from hvrep.replica.comm import CommConfig
 from hvrep.replica.context import InputContext, check_op, per_replica_batch
@@ -280,7 +280,29 @@ class HorovodBackend(Backend):
         self._signature: list[str] | None = None
         self._eager_names = 0
         self._start_watchdog(config.timeout_s)
+        self._shm = self._open_shm(config)
         _LIVE.add(self)
+
+    def _open_shm(self, config: CommConfig) -> Any:
+        """hvrep's shared-memory all-reduce for the in-step reductions, where it applies (hvrep.replica.shm);
+        None: Horovod's collectives serve. Collective: every rank runs the same handshake."""
+        asked = shm.setting(config.local_transport)
+        if asked == "horovod":
+            return None
+        reason = shm.why_not(size=self._size, local_size=self._local_size, elastic=self.elastic,
+                             gpu=self._gpu.cuda_device is not None)
+        if reason and not shm.per_rank(reason):
+            # The same on every rank (one rank, several hosts, elastic): no handshake. Under the elastic driver a
+            # worker joining later creates its Replicator while the others are past theirs: a collective here would
+            # pair with nothing.
+            return shm.refused(asked, reason)
+
+        def agree(flag: bool) -> bool:
+            out = self.hvd.allreduce(tf.constant(int(flag), tf.int32), op=self.hvd.Min, name=self._name("shm_agree"))
+            return bool(int(out.numpy()))
+
+        with self._calling("opening the shared-memory all-reduce (Replicator creation)"):
+            return shm.open_transport(self._rank, self._size, reason, asked, agree, self.broadcast_object)
 
     def _read_world(self) -> None:
         """Rank, size, local rank and local size, from Horovod's live values: read at start and after each
@@ -521,6 +543,12 @@ class HorovodBackend(Backend):
         return {"sum": self.hvd.Sum, "mean": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
 
     def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:
+        if (self._shm is not None and op in ("sum", "mean") and t.dtype in shm.native_shm.DTYPES
+                and not tf.executing_eagerly()):
+            # One host: hvrep's shared-memory all-reduce (hvrep.replica.shm), watched as Horovod's ops are. The key
+            # pairs the op across ranks as Horovod's name would: the tensor's name in the traced step.
+            return activity.watched(self._shm.allreduce, "allreduce", lambda: self._doing or _OUTSIDE_RUN)(
+                t, key=f"hvrep_shm_{_op_name(t)}")
         # Every in-step reduction of hvrep's (its fused buckets: all_reduce, wrap_optimizer, PowerSGD, local SGD)
         # is fused already: the marker in the op's name has hvrep's Horovod build start the cycle at once instead
         # of waiting a fusion window for more tensors (compat/horovod_patches.py, FLUSH_PATCHES). The name keeps

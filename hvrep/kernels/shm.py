@@ -1,0 +1,76 @@
+"""The shared-memory all-reduce's native side (kernels/tf/shm.cc): its op and the C functions that open it.
+
+:mod:`hvrep.replica.shm` decides where it applies and opens it; this module only binds the library. None where
+the kernels are not built, cannot load, are switched off (``HVREP_KERNELS=off``) or predate the transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import tensorflow as tf
+
+from hvrep.kernels import loader
+
+# The dtypes the op sums (half and bfloat16 in float, rounded once).
+DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+class Native:
+    """The op and the C functions of one process's transport (at most one open at a time)."""
+
+    def __init__(self, ops: Any, lib: ctypes.CDLL) -> None:
+        self._ops, self._lib = ops, lib
+        i64, c_int, c_char_p = ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+        for name, args, res in (("hvrep_shm_file_bytes", [c_int, i64], i64),
+                                ("hvrep_shm_open", [c_char_p, c_int, c_int, i64, c_int, c_char_p, c_int], c_int),
+                                ("hvrep_shm_peers_seen", [], c_int), ("hvrep_shm_close", [], c_int),
+                                ("hvrep_shm_is_open", [], c_int)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+
+    def file_bytes(self, size: int, cap: int) -> int:
+        """Bytes the transport's file takes for ``size`` ranks and chunks of ``cap`` bytes."""
+        return int(self._lib.hvrep_shm_file_bytes(size, cap))
+
+    def open(self, path: str, rank: int, size: int, cap: int, create: bool) -> str:
+        """Maps ``path`` and starts this process's progress thread; "" or the reason it could not."""
+        err = ctypes.create_string_buffer(1024)
+        rc = self._lib.hvrep_shm_open(path.encode(), rank, size, cap, int(create), err, len(err))
+        return "" if rc == 0 else err.value.decode(errors="replace")
+
+    def peers_seen(self) -> int:
+        """Ranks whose process this one sees (their pid written and alive); -1 where none is open."""
+        return int(self._lib.hvrep_shm_peers_seen())
+
+    def close(self) -> bool:
+        """Stops the progress thread (its pending ops fail) and unmaps the file; False where none was open."""
+        return int(self._lib.hvrep_shm_close()) == 0
+
+    def is_open(self) -> bool:
+        return bool(self._lib.hvrep_shm_is_open())
+
+    def allreduce(self, t: tf.Tensor, key: str) -> tf.Tensor:
+        """The sum of ``t`` over the ranks; ``key`` pairs the op across ranks (the same on each)."""
+        return self._ops.hvrep_shm_allreduce(t, key=key)
+
+
+@tf.RegisterGradient("HvrepShmAllreduce")
+def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
+    """A sum over the ranks is linear: its gradient is the sum of the upstream gradients over the ranks (as
+    Horovod's allreduce's gradient is), paired across ranks by the forward op's key."""
+    nat = native()
+    assert nat is not None  # the forward op ran, so the library is loaded
+    return nat.allreduce(grad, key=op.get_attr("key").decode() + "/grad")
+
+
+@functools.cache
+def native() -> Native | None:
+    """The transport's native side, or None where the fused kernels are not loaded (or predate it)."""
+    ops, st = loader.op_module(), loader.status()
+    if ops is None or st.library is None or not hasattr(ops, "hvrep_shm_allreduce"):
+        return None
+    # The library TensorFlow loaded: dlopen of the same path returns its handle, so the transport is the op's.
+    return Native(ops, ctypes.CDLL(st.library))

@@ -1,0 +1,87 @@
+"""hvrep's shared-memory all-reduce on a launcher's ranks (see runner.py; every case calls the same collectives
+on every rank before it asserts). Both ranks run on this host, so the default Replicator uses it: every other
+case file's all-reduces go through it too (their fidelity cases are its N x B = 1 x N.B checks); these cases
+check that it is the one used, that it gives Horovod's bits, and that Horovod still serves what it does not take.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import hvrep
+from hvrep.errors import ConfigError
+
+
+def _reduce_bits(repl, tensors):
+    out = repl.run(lambda *ts: hvrep.all_reduce(list(ts), "mean"), args=tuple(tensors))
+    return [o.numpy() for o in out]
+
+
+def _tensors():
+    rank = hvrep.resolve_placement().rank
+    rng = np.random.default_rng(1234 + rank)
+    # One small bucket, one of 50 tensors, and one tensor larger than a 4 MiB chunk.
+    sizes = [7, *([1000] * 50), 1_500_000]
+    return [tf.constant(rng.standard_normal(n).astype(np.float32)) for n in sizes]
+
+
+def case_one_host_uses_the_shared_memory_all_reduce_with_horovods_bits():
+    ts = _tensors()
+    shm_repl = hvrep.Replicator("horovod")
+    try:
+        assert shm_repl._backend._shm is not None, "the shared-memory all-reduce is not open on one host"
+        got = _reduce_bits(shm_repl, ts)
+    finally:
+        shm_repl.close()
+    hvd_repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_transport="horovod"))
+    try:
+        assert hvd_repl._backend._shm is None
+        want = _reduce_bits(hvd_repl, ts)
+    finally:
+        hvd_repl.close()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.tobytes() == w.tobytes(), f"tensor {i}: {np.max(np.abs(g - w))}"
+
+
+def case_float_sums_go_through_it_and_integer_sums_through_horovod():
+    repl = hvrep.Replicator("horovod")
+    backend = repl._backend
+    real, traced = backend._shm, []
+
+    class Spy:  # records what the step traces into hvrep's op; the op itself runs
+        def allreduce(self, t, key):
+            traced.append(t.dtype.name)
+            return real.allreduce(t, key=key)
+
+    backend._shm = Spy()
+    try:
+        out = repl.run(lambda t: hvrep.all_reduce([t, tf.cast(t, tf.int32)], "sum"), args=(tf.ones([5]),))
+        assert traced == ["float32"], traced
+        assert [float(v) for v in out[0]] == [2.0] * 5 and [int(v) for v in out[1]] == [2] * 5, out
+    finally:
+        backend._shm = real
+        repl.close()
+
+
+def case_local_transport_is_validated_and_shm_can_be_required():
+    try:
+        hvrep.CommConfig(local_transport="nccl")
+        raise AssertionError("a bad local_transport was accepted")
+    except ConfigError as e:
+        assert "local_transport must be one of" in str(e), e
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_transport="shm"))
+    try:
+        assert repl._backend._shm is not None
+    finally:
+        repl.close()
+
+
+def case_eager_reduce_and_broadcast_still_go_through_horovod():
+    repl = hvrep.Replicator("horovod")
+    try:
+        rank = hvrep.resolve_placement().rank
+        assert float(repl.reduce(tf.constant(float(rank + 1)), "sum")) == 3.0
+        out = repl.run(lambda: hvrep.broadcast(tf.constant(float(rank + 5)), root=1))
+        assert float(out) == 6.0, out
+    finally:
+        repl.close()
+
