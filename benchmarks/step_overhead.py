@@ -19,11 +19,12 @@ backend (``all_reduce`` of one tensor of G bytes) in a child process of each ran
 the CPU PyTorch wheel in the venv ``--torch-python`` names (Horovod's sdist is not kept after hvrep builds it, so
 Gloo's own benchmark was not at hand; a floor that cannot run is a ``floor`` line with ``measured: false`` and why).
 
-Both ranks are on one host, so the entry points' default path is hvrep's shared-memory all-reduce
-(``hvrep.replica.shm``); ``--horovod-transport`` (default on) adds, in the same rounds, each with-step through
-Horovod's collectives (``CommConfig(local_transport="horovod")``, what a job across hosts uses): cost lines of
-``variant: "horovod_transport"``. The flush-off contenders and the breakdown's variants go through Horovod too
-(they take its machinery apart).
+Both ranks are on one host, so under ``horovodrun --gloo`` the entry points' default path is hvrep's
+shared-memory all-reduce (``hvrep.replica.shm``), and under ``mpirun`` Horovod's collectives (Open MPI's own
+shared memory). ``--other-transport`` (default on) adds, in the same rounds, each with-step through the other
+one (``CommConfig(local_transport=...)``): cost lines of ``variant: "horovod_transport"`` under Gloo (what a job
+across hosts uses) and ``"shm_transport"`` under MPI. The flush-off contenders and the breakdown's variants go
+through Horovod (they take its machinery apart).
 
 Every contender runs round-robin: one sample of each per round, a sample being ``--inner`` back-to-back calls
 after a barrier, divided by ``--inner``; a round's sample is the slowest rank's. The cost of an entry point in a
@@ -179,12 +180,17 @@ def _worker(args: argparse.Namespace) -> int:
     config = hvrep.CommConfig(timeout_s=0 if args.variant == "watchdog_off" else 600.0,
                               local_transport="auto" if args.variant == "default" else "horovod")
     repl = hvrep.Replicator("horovod", config=config)
-    # The same reductions through Horovod's collectives (what a job spanning hosts uses; on one host the default
-    # is hvrep's shared-memory all-reduce, hvrep.replica.shm), side by side in the same rounds; the flush-off
-    # contenders, which ask how hvrep's Horovod build serves them, go through it too.
-    via_horovod = args.variant == "default" and (args.horovod_transport or args.flush_off)
-    repl_h = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport="horovod"))
-              if via_horovod else repl)
+    # The same reductions through the other local transport, side by side in the same rounds: on one host the
+    # default is hvrep's shared-memory all-reduce under Gloo (hvrep.replica.shm) and Horovod's collectives under
+    # MPI; the other is Horovod's under Gloo (what a job spanning hosts uses) and hvrep's under MPI. The flush-off
+    # contenders, which ask how hvrep's Horovod build serves them, go through Horovod.
+    via_other = args.variant == "default" and args.other_transport
+    other = "horovod" if args.launcher == "horovodrun" else "shm"
+    repl_o = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport=other))
+              if via_other else repl)
+    repl_h = repl_o if other == "horovod" else repl
+    if args.flush_off and args.variant == "default" and repl_h is repl and repl._backend._shm is not None:
+        repl_h = hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport="horovod"))
     if args.variant == "py_markers":
         from hvrep.replica import activity, watchdog
 
@@ -212,7 +218,7 @@ def _worker(args: argparse.Namespace) -> int:
     def barrier() -> None:
         repl.reduce(np.zeros((), np.float32), "sum")
 
-    # (entry, G, n, "with"|"with_horovod"|"with_flush_off"|"without") or ("floor", G) -> a call
+    # (entry, G, n, "with"|"with_other"|"with_flush_off"|"without") or ("floor", G) -> a call
     contenders: dict[tuple, Any] = {}
     for nbytes in args.sizes:
         for n in TENSORS:
@@ -232,11 +238,11 @@ def _worker(args: argparse.Namespace) -> int:
 
             contenders[("all_reduce", nbytes, n, "with")] = lambda f=with_ar, v=xs: repl.run(f, args=(v,))
             contenders[("all_reduce", nbytes, n, "without")] = lambda f=without_ar, v=xs: repl.run(f, args=(v,))
-            if via_horovod:
-                contenders[("all_reduce", nbytes, n, "with_horovod")] = lambda f=with_ar, v=xs: repl_h.run(f, args=(v,))
+            if via_other:
+                contenders[("all_reduce", nbytes, n, "with_other")] = lambda f=with_ar, v=xs: repl_o.run(f, args=(v,))
             if args.flush_off:
-                contenders[("all_reduce", nbytes, n, "with_flush_off")] = contenders[
-                    ("all_reduce", nbytes, n, "with_horovod")]
+                contenders[("all_reduce", nbytes, n, "with_flush_off")] = (
+                    lambda f=with_ar, v=xs: repl_h.run(f, args=(v,)))
             if args.variant == "default":
                 with repl.scope():
                     variables = [keras.Variable(np.zeros(k, np.float32)) for k in each]
@@ -245,16 +251,20 @@ def _worker(args: argparse.Namespace) -> int:
                 for opt, which in ((wrapped, "with"), (plain, "without")):
                     apply = _apply_step(opt, variables, f"{scope}_{which}")
                     contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
-                if via_horovod:
-                    with repl_h.scope():
-                        variables_h = [keras.Variable(np.zeros(k, np.float32)) for k in each]
-                        wrapped_h = repl_h.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
-                    apply = _apply_step(wrapped_h, variables_h, f"{scope}_with_horovod")
-                    contenders[("wrap_optimizer", nbytes, n, "with_horovod")] = (
-                        lambda f=apply, v=xs: repl_h.run(f, args=(v,)))
-                if args.flush_off:
-                    contenders[("wrap_optimizer", nbytes, n, "with_flush_off")] = contenders[
-                        ("wrap_optimizer", nbytes, n, "with_horovod")]
+                for which, other_repl, wanted in (("with_other", repl_o, via_other),
+                                                  ("with_flush_off", repl_h, args.flush_off)):
+                    if not wanted:
+                        continue
+                    if other_repl is repl:
+                        contenders[("wrap_optimizer", nbytes, n, which)] = contenders[
+                            ("wrap_optimizer", nbytes, n, "with")]
+                        continue
+                    with other_repl.scope():
+                        variables_o = [keras.Variable(np.zeros(k, np.float32)) for k in each]
+                        wrapped_o = other_repl.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
+                    apply = _apply_step(wrapped_o, variables_o, f"{scope}_{which}")
+                    contenders[("wrap_optimizer", nbytes, n, which)] = (
+                        lambda f=apply, v=xs, o=other_repl: o.run(f, args=(v,)))
         if args.variant == "default" and (mpi is not None or gloo is not None):
             if mpi is not None:
                 send = np.full(nbytes // 4, 1.0 + rank, np.float32)
@@ -318,10 +328,10 @@ def _worker(args: argparse.Namespace) -> int:
             records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
                             "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
                             "median_us": round(float(np.median(us)), 2)})
-        elif key[3] in ("with", "with_horovod", "with_flush_off"):
+        elif key[3] in ("with", "with_other", "with_flush_off"):
             w, wo = col[key], col[(*key[:3], "without")]
             cost = [round(a - b, 2) for a, b in zip(w, wo, strict=True)]
-            variant = {"with_flush_off": "flush_off", "with_horovod": "horovod_transport"}.get(key[3], args.variant)
+            variant = {"with_flush_off": "flush_off", "with_other": f"{other}_transport"}.get(key[3], args.variant)
             records.append({**base, "variant": variant, "kind": "cost", "entry": key[0], "bytes": key[1],
                             "tensors": key[2],
                             "with_us": w, "without_us": wo, "cost_us": cost,
@@ -351,7 +361,7 @@ def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argpar
                   "--warmup", str(args.warmup), "--store", f"{tmp}/torch-store",
                   "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes),
                   "--flush-off" if args.flush_off and variant == "default" else "--no-flush-off",
-                  "--horovod-transport" if args.horovod_transport else "--no-horovod-transport"]
+                  "--other-transport" if args.other_transport else "--no-other-transport"]
         command = _common.two_rank_command(launcher, __file__, ["--worker", "--launcher", launcher, *worker])
         proc = subprocess.run(command, env=_common.launch_env(ROOT, extra), cwd=ROOT, capture_output=True, text=True,
                               timeout=args.timeout)
@@ -406,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke test: 16 KB and 256 KB, 3 rounds of 3 calls")
     p.add_argument("--flush-off", action=argparse.BooleanOptionalAction, default=None,
                    help="add each with-step with HVREP_HOROVOD_FLUSH=0, alternating (default: on, off with --quick)")
-    p.add_argument("--horovod-transport", action=argparse.BooleanOptionalAction, default=True,
-                   help="add each with-step through Horovod's collectives (CommConfig(local_transport='horovod'): "
-                        "what a job across hosts uses), alternating with the default (default: on)")
+    p.add_argument("--other-transport", action=argparse.BooleanOptionalAction, default=True,
+                   help="add each with-step through the other local transport (Horovod's collectives under Gloo, "
+                        "hvrep's shared-memory all-reduce under MPI), alternating with the default (default: on)")
     p.add_argument("--out", type=Path, default=Path("results/step_overhead.jsonl"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch (default 900)")
     p.add_argument("--torch-python", type=Path, default=TORCH_PYTHON,

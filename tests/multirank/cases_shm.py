@@ -1,7 +1,9 @@
 """hvrep's shared-memory all-reduce on a launcher's ranks (see runner.py; every case calls the same collectives
-on every rank before it asserts). Both ranks run on this host, so the default Replicator uses it: every other
-case file's all-reduces go through it too (their fidelity cases are its N x B = 1 x N.B checks); these cases
-check that it is the one used, that it gives Horovod's bits, and that Horovod still serves what it does not take.
+on every rank before it asserts). Both ranks run on this host, so under horovodrun --gloo the default Replicator
+uses it: every other case file's all-reduces go through it there (their fidelity cases are its N x B = 1 x N.B
+checks); under mpirun Open MPI's shared memory serves by default. These cases check which is used, that it
+gives Horovod's bits (asked for with local_transport="shm" under both launchers), and that Horovod still serves
+what it does not take.
 """
 
 import numpy as np
@@ -24,9 +26,17 @@ def _tensors():
     return [tf.constant(rng.standard_normal(n).astype(np.float32)) for n in sizes]
 
 
-def case_one_host_uses_the_shared_memory_all_reduce_with_horovods_bits():
+def case_on_one_host_gloo_uses_it_and_mpi_keeps_open_mpis_shared_memory():
+    repl = hvrep.Replicator("horovod")
+    try:
+        assert (repl._backend._shm is not None) == (repl._backend.controller == "gloo"), repl._backend.controller
+    finally:
+        repl.close()
+
+
+def case_it_gives_horovods_bits():
     ts = _tensors()
-    shm_repl = hvrep.Replicator("horovod")
+    shm_repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_transport="shm"))
     try:
         assert shm_repl._backend._shm is not None, "the shared-memory all-reduce is not open on one host"
         got = _reduce_bits(shm_repl, ts)
@@ -43,7 +53,7 @@ def case_one_host_uses_the_shared_memory_all_reduce_with_horovods_bits():
 
 
 def case_float_sums_go_through_it_and_integer_sums_through_horovod():
-    repl = hvrep.Replicator("horovod")
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_transport="shm"))
     backend = repl._backend
     real, traced = backend._shm, []
 
@@ -76,7 +86,7 @@ def case_local_transport_is_validated_and_shm_can_be_required():
 
 
 def case_eager_reduce_and_broadcast_still_go_through_horovod():
-    repl = hvrep.Replicator("horovod")
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_transport="shm"))
     try:
         rank = hvrep.resolve_placement().rank
         assert float(repl.reduce(tf.constant(float(rank + 1)), "sum")) == 3.0

@@ -40,11 +40,12 @@ def lines(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("launcher", harness.LAUNCHERS)
 def test_every_entry_and_tensor_count_has_a_cost_line(lines, launcher):
     costs = [r for r in lines[launcher] if r["kind"] == "cost"]
-    # Each entry and tensor count twice: the default (one host: hvrep's shared-memory all-reduce) and through
-    # Horovod's collectives, in the same rounds.
+    # Each entry and tensor count twice, in the same rounds: the default and the other local transport (under Gloo
+    # Horovod's collectives, under MPI hvrep's shared-memory all-reduce).
+    other = "horovod_transport" if launcher == "horovodrun" else "shm_transport"
     assert sorted((r["entry"], r["tensors"], r["variant"]) for r in costs) == sorted(
         (entry, n, variant) for entry in ("all_reduce", "wrap_optimizer") for n in (1, 50)
-        for variant in ("default", "horovod_transport"))
+        for variant in ("default", other))
     for r in costs:
         assert (r["benchmark"], r["launcher"], r["ranks"], r["bytes"]) == ("step_overhead", launcher, 2, G)
         assert len(r["with_us"]) == len(r["without_us"]) == len(r["cost_us"]) == ROUNDS
