@@ -7,6 +7,7 @@ Contenders, one run each per round, in turn (round-robin, so a round's runs shar
   2rank-mpirun      mpirun -np 2 hvrep train (Open MPI's own binding), defaults, global batch 64
   2rank-horovodrun-gloo  2rank-horovodrun with HVREP_LOCAL_TRANSPORT=horovod: the step's reductions through
                     Horovod's Gloo (TCP over loopback) instead of hvrep's shared-memory all-reduce
+  2rank-mpirun-openmpi   2rank-mpirun likewise: through Horovod's MPI (Open MPI's shared memory)
   2x1core-apart     two 1rank-1core runs at once, each pinned to a core of its own, no communication: the
                     machine's own ceiling for 2 ranks (shared caches, memory and the host's scheduling); its
                     images/s is the two runs' sum
@@ -51,12 +52,16 @@ def _contenders() -> dict[str, tuple[list[str], list[str]]]:
         # hvrep's shared-memory all-reduce: what the demo gave before it, and what a job across hosts pays.
         HOROVOD_GLOO: (["env", "HVREP_LOCAL_TRANSPORT=horovod", str(BIN / "horovodrun"), "-np", "2", "-H",
                         "localhost:2", "--gloo", HVREP, "train"], ["train.global_batch=64"]),
+        # And the mpirun run through Horovod's MPI (Open MPI's own shared memory between the two ranks).
+        HOROVOD_MPI: (["env", "HVREP_LOCAL_TRANSPORT=horovod", str(BIN / "mpirun"), "-np", "2", HVREP, "train"],
+                      ["train.global_batch=64"]),
         APART: ([HVREP, "train"], ["train.global_batch=32", "train.threads=1"]),
     }
 
 
 APART = "2x1core-apart"
 HOROVOD_GLOO = "2rank-horovodrun-gloo"
+HOROVOD_MPI = "2rank-mpirun-openmpi"
 
 
 def _env() -> dict[str, str]:
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 append_jsonl(Path(args.out), [record])
                 print(f"round {r} {name:18s} {ips:8,.0f} images/s", flush=True)
     summary = {"run_id": rid, "benchmark": "default_scaling", "summary": True}
-    for two in ("2rank-horovodrun", "2rank-mpirun", HOROVOD_GLOO):
+    for two in ("2rank-horovodrun", "2rank-mpirun", HOROVOD_GLOO, HOROVOD_MPI):
         for one in ("1rank-default", "1rank-1core"):
             per_round = np.asarray(rates[two]) / (2 * np.asarray(rates[one]))
             key = f"{two}/2x{one}"

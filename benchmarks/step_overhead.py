@@ -19,12 +19,11 @@ backend (``all_reduce`` of one tensor of G bytes) in a child process of each ran
 the CPU PyTorch wheel in the venv ``--torch-python`` names (Horovod's sdist is not kept after hvrep builds it, so
 Gloo's own benchmark was not at hand; a floor that cannot run is a ``floor`` line with ``measured: false`` and why).
 
-Both ranks are on one host, so under ``horovodrun --gloo`` the entry points' default path is hvrep's
-shared-memory all-reduce (``hvrep.replica.shm``), and under ``mpirun`` Horovod's collectives (Open MPI's own
-shared memory). ``--other-transport`` (default on) adds, in the same rounds, each with-step through the other
-one (``CommConfig(local_transport=...)``): cost lines of ``variant: "horovod_transport"`` under Gloo (what a job
-across hosts uses) and ``"shm_transport"`` under MPI. The flush-off contenders and the breakdown's variants go
-through Horovod (they take its machinery apart).
+Both ranks are on one host, so the entry points' default path is hvrep's shared-memory all-reduce
+(``hvrep.replica.shm``). ``--other-transport`` (default on) adds, in the same rounds, each with-step through
+Horovod's collectives (``CommConfig(local_transport="horovod")``, what a job across hosts uses): cost lines of
+``variant: "horovod_transport"``. The flush-off contenders and the breakdown's variants go through Horovod too
+(they take its machinery apart).
 
 Every contender runs round-robin: one sample of each per round, a sample being ``--inner`` back-to-back calls
 after a barrier, divided by ``--inner``; a round's sample is the slowest rank's. The cost of an entry point in a
@@ -180,17 +179,14 @@ def _worker(args: argparse.Namespace) -> int:
     config = hvrep.CommConfig(timeout_s=0 if args.variant == "watchdog_off" else 600.0,
                               local_transport="auto" if args.variant == "default" else "horovod")
     repl = hvrep.Replicator("horovod", config=config)
-    # The same reductions through the other local transport, side by side in the same rounds: on one host the
-    # default is hvrep's shared-memory all-reduce under Gloo (hvrep.replica.shm) and Horovod's collectives under
-    # MPI; the other is Horovod's under Gloo (what a job spanning hosts uses) and hvrep's under MPI. The flush-off
-    # contenders, which ask how hvrep's Horovod build serves them, go through Horovod.
-    via_other = args.variant == "default" and args.other_transport
-    other = "horovod" if args.launcher == "horovodrun" else "shm"
+    # The same reductions through Horovod's collectives, side by side in the same rounds: on one host the default
+    # is hvrep's shared-memory all-reduce (hvrep.replica.shm); Horovod's is what a job spanning hosts uses. The
+    # flush-off contenders, which ask how hvrep's Horovod build serves them, go through Horovod too.
+    via_other = args.variant == "default" and (args.other_transport or args.flush_off)
+    other = "horovod"
     repl_o = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport=other))
               if via_other else repl)
-    repl_h = repl_o if other == "horovod" else repl
-    if args.flush_off and args.variant == "default" and repl_h is repl and repl._backend._shm is not None:
-        repl_h = hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport="horovod"))
+    repl_h = repl_o
     if args.variant == "py_markers":
         from hvrep.replica import activity, watchdog
 
@@ -238,7 +234,7 @@ def _worker(args: argparse.Namespace) -> int:
 
             contenders[("all_reduce", nbytes, n, "with")] = lambda f=with_ar, v=xs: repl.run(f, args=(v,))
             contenders[("all_reduce", nbytes, n, "without")] = lambda f=without_ar, v=xs: repl.run(f, args=(v,))
-            if via_other:
+            if args.other_transport and args.variant == "default":
                 contenders[("all_reduce", nbytes, n, "with_other")] = lambda f=with_ar, v=xs: repl_o.run(f, args=(v,))
             if args.flush_off:
                 contenders[("all_reduce", nbytes, n, "with_flush_off")] = (
@@ -251,7 +247,7 @@ def _worker(args: argparse.Namespace) -> int:
                 for opt, which in ((wrapped, "with"), (plain, "without")):
                     apply = _apply_step(opt, variables, f"{scope}_{which}")
                     contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
-                for which, other_repl, wanted in (("with_other", repl_o, via_other),
+                for which, other_repl, wanted in (("with_other", repl_o, args.other_transport),
                                                   ("with_flush_off", repl_h, args.flush_off)):
                     if not wanted:
                         continue
@@ -417,8 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flush-off", action=argparse.BooleanOptionalAction, default=None,
                    help="add each with-step with HVREP_HOROVOD_FLUSH=0, alternating (default: on, off with --quick)")
     p.add_argument("--other-transport", action=argparse.BooleanOptionalAction, default=True,
-                   help="add each with-step through the other local transport (Horovod's collectives under Gloo, "
-                        "hvrep's shared-memory all-reduce under MPI), alternating with the default (default: on)")
+                   help="add each with-step through Horovod's collectives (local_transport='horovod': what a job "
+                        "across hosts uses), alternating with the default (default: on)")
     p.add_argument("--out", type=Path, default=Path("results/step_overhead.jsonl"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch (default 900)")
     p.add_argument("--torch-python", type=Path, default=TORCH_PYTHON,

@@ -62,23 +62,14 @@ _GPU = "this rank has a GPU (its reductions are NCCL's)"
 _NO_KERNELS = "hvrep's kernels are not loaded (`make setup`, `hvrep doctor`)"
 
 
-_MPI = ("Horovod's controller is MPI, whose transport already reduces between a host's ranks through shared "
-        "memory (as fast or faster from 4 MB; docs/one-host.md)")
-
-
-def why_not(*, size: int, local_size: int, elastic: bool, gpu: bool, controller: str = "gloo",
-            asked: str = "auto") -> str:
-    """Why the shared-memory all-reduce cannot serve this rank, or (``asked`` "auto") should not ("" where it
-    serves). Under MPI (mpirun, srun) it serves only where asked for: Open MPI's own shared-memory transport is
-    there already."""
+def why_not(*, size: int, local_size: int, elastic: bool, gpu: bool) -> str:
+    """Why the shared-memory all-reduce cannot serve this rank ("" where it can)."""
     if size < 2:
         return _ONE_RANK
     if local_size != size:
         return f"{size} ranks on several hosts ({local_size} on this one)"
     if elastic:
         return _ELASTIC
-    if controller == "mpi" and asked == "auto":
-        return _MPI
     if gpu:
         return _GPU
     if native_shm.native() is None:

@@ -14,8 +14,9 @@
 // later one: the ranks run the same graph.
 //
 // One collective is done in chunks of at most `cap` bytes. Chunk t (counted from 1 over the whole job) uses
-// double-buffered areas t % 2: (1) copy my chunk into staging[t%2][rank]; arrived[rank] = t; wait for every
-// rank's arrived >= t; (2) sum my shard of the chunk over the ranks, in rank order, into result[t%2];
+// double-buffered areas t % 2: (1) copy my chunk but my own shard of it into staging[t%2][rank]; arrived[rank] =
+// t; wait for every rank's arrived >= t; (2) sum my shard of the chunk over the ranks, in rank order (mine read
+// from my input), into result[t%2];
 // reduced[rank] = t; wait for every reduced >= t; (3) copy result[t%2] out. A rank that writes the areas of
 // t % 2 again, at chunk t + 2, has seen every rank arrive at t + 1, so every rank has finished chunk t; the
 // announcement slot c % 2 is reused likewise (every collective has at least one chunk).
@@ -385,26 +386,32 @@ class Comm {
     return op;
   }
 
+  // Rank r's chunk t in rank q's view: this rank's own input where q is this rank (its shard is summed from the
+  // input itself, so it never copies that part in), else q's staging area.
+  const char* Source(uint64_t t, int q, const char* mine) const { return q == rank_ ? mine : Staging(t, q); }
+
   template <typename T>
-  void SumShard(uint64_t t, int64_t begin, int64_t end) {
+  void SumShard(uint64_t t, const char* mine, int64_t begin, int64_t end) {
     using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
     const int64_t n = end - begin;
     if (n <= 0) return;
     Eigen::Map<Arr> out(reinterpret_cast<T*>(Result(t)) + begin, n);
-    out = Eigen::Map<const Arr>(reinterpret_cast<const T*>(Staging(t, 0)) + begin, n);
-    for (int r = 1; r < size_; ++r) out += Eigen::Map<const Arr>(reinterpret_cast<const T*>(Staging(t, r)) + begin, n);
+    out = Eigen::Map<const Arr>(reinterpret_cast<const T*>(Source(t, 0, mine)) + begin, n);
+    for (int r = 1; r < size_; ++r) {
+      out += Eigen::Map<const Arr>(reinterpret_cast<const T*>(Source(t, r, mine)) + begin, n);
+    }
   }
 
   // Half and bfloat16: summed in float over the ranks and rounded once.
   template <typename T>
-  void SumShardInFloat(uint64_t t, int64_t begin, int64_t end) {
+  void SumShardInFloat(uint64_t t, const char* mine, int64_t begin, int64_t end) {
     float acc[256];
     for (int64_t b = begin; b < end; b += 256) {
       const int64_t n = std::min<int64_t>(256, end - b);
-      const T* s0 = reinterpret_cast<const T*>(Staging(t, 0)) + b;
+      const T* s0 = reinterpret_cast<const T*>(Source(t, 0, mine)) + b;
       for (int64_t i = 0; i < n; ++i) acc[i] = static_cast<float>(s0[i]);
       for (int r = 1; r < size_; ++r) {
-        const T* s = reinterpret_cast<const T*>(Staging(t, r)) + b;
+        const T* s = reinterpret_cast<const T*>(Source(t, r, mine)) + b;
         for (int64_t i = 0; i < n; ++i) acc[i] += static_cast<float>(s[i]);
       }
       T* out = reinterpret_cast<T*>(Result(t)) + b;
@@ -412,12 +419,12 @@ class Comm {
     }
   }
 
-  void SumShard(DataType dt, uint64_t t, int64_t begin, int64_t end) {
+  void SumShard(DataType dt, uint64_t t, const char* mine, int64_t begin, int64_t end) {
     switch (dt) {
-      case ::tensorflow::DT_FLOAT: return SumShard<float>(t, begin, end);
-      case ::tensorflow::DT_DOUBLE: return SumShard<double>(t, begin, end);
-      case ::tensorflow::DT_HALF: return SumShardInFloat<Eigen::half>(t, begin, end);
-      case ::tensorflow::DT_BFLOAT16: return SumShardInFloat<Eigen::bfloat16>(t, begin, end);
+      case ::tensorflow::DT_FLOAT: return SumShard<float>(t, mine, begin, end);
+      case ::tensorflow::DT_DOUBLE: return SumShard<double>(t, mine, begin, end);
+      case ::tensorflow::DT_HALF: return SumShardInFloat<Eigen::half>(t, mine, begin, end);
+      case ::tensorflow::DT_BFLOAT16: return SumShardInFloat<Eigen::bfloat16>(t, mine, begin, end);
       default: return;  // the op's dtype constraint admits no other
     }
   }
@@ -433,15 +440,18 @@ class Comm {
     do {
       const int64_t n = std::min(per_chunk, count - done);
       const uint64_t t = ++chunk_;
-      if (n > 0) std::memcpy(Staging(t, rank_), in + done * es, n * es);
-      Publish(&hdr_->ranks[rank_].arrived, t);
-      if (!WaitAll(offsetof(RankLine, arrived), t, "in an all-reduce (its inputs)")) return false;
       // Shards on 16-element boundaries, so that every rank's shard starts 64-byte aligned in the areas.
       const int64_t grain = 16;
       const int64_t units = (n + grain - 1) / grain;
       const int64_t b = std::min(n, units * rank_ / size_ * grain);
       const int64_t e = std::min(n, units * (rank_ + 1) / size_ * grain);
-      SumShard(dt, t, b, e);
+      // The others need every part of this rank's chunk but its own shard.
+      const char* mine = in + done * es;
+      if (b > 0) std::memcpy(Staging(t, rank_), mine, b * es);
+      if (n > e) std::memcpy(Staging(t, rank_) + e * es, mine + e * es, (n - e) * es);
+      Publish(&hdr_->ranks[rank_].arrived, t);
+      if (!WaitAll(offsetof(RankLine, arrived), t, "in an all-reduce (its inputs)")) return false;
+      SumShard(dt, t, mine, b, e);
       Publish(&hdr_->ranks[rank_].reduced, t);
       if (!WaitAll(offsetof(RankLine, reduced), t, "in an all-reduce (the sums)")) return false;
       if (n > 0) std::memcpy(out + done * es, Result(t), n * es);

@@ -40,9 +40,9 @@ def lines(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("launcher", harness.LAUNCHERS)
 def test_every_entry_and_tensor_count_has_a_cost_line(lines, launcher):
     costs = [r for r in lines[launcher] if r["kind"] == "cost"]
-    # Each entry and tensor count twice, in the same rounds: the default and the other local transport (under Gloo
-    # Horovod's collectives, under MPI hvrep's shared-memory all-reduce).
-    other = "horovod_transport" if launcher == "horovodrun" else "shm_transport"
+    # Each entry and tensor count twice, in the same rounds: the default (one host: hvrep's shared-memory
+    # all-reduce) and through Horovod's collectives.
+    other = "horovod_transport"
     assert sorted((r["entry"], r["tensors"], r["variant"]) for r in costs) == sorted(
         (entry, n, variant) for entry in ("all_reduce", "wrap_optimizer") for n in (1, 50)
         for variant in ("default", other))

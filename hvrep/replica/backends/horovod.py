@@ -290,9 +290,9 @@ class HorovodBackend(Backend):
         if asked == "horovod":
             return None
         reason = shm.why_not(size=self._size, local_size=self._local_size, elastic=self.elastic,
-                             gpu=self._gpu.cuda_device is not None, controller=self.controller, asked=asked)
+                             gpu=self._gpu.cuda_device is not None)
         if reason and not shm.per_rank(reason):
-            # The same on every rank (one rank, several hosts, elastic, MPI): no handshake. Under the elastic driver a
+            # The same on every rank (one rank, several hosts, elastic): no handshake. Under the elastic driver a
             # worker joining later creates its Replicator while the others are past theirs: a collective here would
             # pair with nothing.
             return shm.refused(asked, reason)

@@ -27,12 +27,6 @@ def test_why_not_names_the_reason_and_whether_ranks_must_agree(kw, words, differ
     assert shm.per_rank(reason) is differs_per_rank
 
 
-def test_under_mpi_it_serves_only_where_asked_for():
-    reason = shm.why_not(size=4, local_size=4, elastic=False, gpu=False, controller="mpi")
-    assert "controller is MPI" in reason and not shm.per_rank(reason)
-    assert shm.why_not(size=4, local_size=4, elastic=False, gpu=False, controller="mpi", asked="shm") == ""
-
-
 def test_the_environment_replaces_auto_only(monkeypatch):
     monkeypatch.setenv("HVREP_LOCAL_TRANSPORT", "horovod")
     assert shm.setting("auto") == "horovod"
