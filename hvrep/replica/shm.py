@@ -32,11 +32,14 @@ from hvrep.kernels import shm as native_shm
 
 _log = logging.getLogger("hvrep")
 
-# Bytes of one chunk of a collective (a bucket larger than this goes in chunks). The file holds 2N + 2 of them:
-# 24 MiB for 2 ranks, 72 MiB for 8. Where /dev/shm is smaller (a container's 64 MiB) the chunk shrinks to fit
-# half of what is free, down to MIN_CAP_BYTES; below that the file goes to the temporary folder instead.
-CAP_BYTES = 4 << 20
-MIN_CAP_BYTES = 256 << 10
+# Bytes of one chunk of a collective (a bucket larger than this goes in chunks, each rank's part of one staying in
+# its core's cache between the copy in, the sum and the copy out). Measured side by side under mpirun on 2 ranks
+# (benchmarks/step_overhead.py, 2026-11-27): 4 MB all-reduces took 729-930 us with 256 KiB chunks, 853-1,111 with
+# 1 MiB, 975-1,583 with 4 MiB (Open MPI's 959-1,193 in the same runs); 32 MB 5.7-7.7 ms, 5.7-7.5, 8.2-9.1. The file
+# holds 2N + 2 chunks: 1.5 MiB for 2 ranks, 4.5 MiB for 8. Where /dev/shm has less than twice that free the chunk
+# shrinks, down to MIN_CAP_BYTES; below that the file goes to the temporary folder instead.
+CAP_BYTES = 256 << 10
+MIN_CAP_BYTES = 64 << 10
 _SHM_DIR = "/dev/shm"
 
 _open: native_shm.Native | None = None  # this process's open transport (one world: not elastic)

@@ -64,10 +64,10 @@ def test_a_small_dev_shm_shrinks_the_chunk_then_gives_way_to_the_temporary_folde
 
     monkeypatch.setattr(shm.os, "statvfs", lambda _: Fs(1 << 40))
     assert shm._place(8) == (str(tmp_path), shm.CAP_BYTES)
-    # A container's 64 MiB: 8 ranks need 18 chunks; half of it holds 18 of 1 MiB.
-    monkeypatch.setattr(shm.os, "statvfs", lambda _: Fs(64 << 20))
+    # 4 MiB free: 8 ranks need 18 chunks; half of it holds 18 of 64 KiB, not of 128 KiB.
+    monkeypatch.setattr(shm.os, "statvfs", lambda _: Fs(4 << 20))
     folder, cap = shm._place(8)
-    assert folder == str(tmp_path) and cap == 1 << 20 and nat.file_bytes(8, cap) <= 32 << 20
+    assert folder == str(tmp_path) and cap == 64 << 10 and nat.file_bytes(8, cap) <= 2 << 20
     monkeypatch.setattr(shm.os, "statvfs", lambda _: Fs(1 << 20))
     folder, cap = shm._place(8)
     assert folder != str(tmp_path) and cap == shm.CAP_BYTES
