@@ -44,6 +44,7 @@ _SHM_DIR = "/dev/shm"
 
 _open: native_shm.Native | None = None  # this process's open transport (one world: not elastic)
 _open_size = 0
+_open_pid = 0  # the process that opened it: a forked child inherits the mapping but not the progress thread
 
 
 def setting(config_value: str) -> str:
@@ -130,8 +131,8 @@ def open_transport(rank: int, size: int, reason: str, asked: str, agree: Callabl
     Raises:
       hvrep.errors.SetupError: ``asked`` is "shm" and it cannot open, on every rank alike.
     """
-    global _open, _open_size
-    if _open is not None and _open_size == size and _open.is_open():
+    global _open, _open_size, _open_pid
+    if _open is not None and _open_size == size and _open.is_open() and _open_pid == os.getpid():
         return _open  # a later Replicator of the same world: every rank has it open
     if not agree(reason == ""):
         return refused(asked, reason or "another rank cannot use it (its log says why)")
@@ -156,7 +157,7 @@ def open_transport(rank: int, size: int, reason: str, asked: str, agree: Callabl
     finally:
         if folder:  # every rank has it mapped (or gave up): nothing is left on disk
             shutil.rmtree(folder, ignore_errors=True)
-    _open, _open_size = nat, size
+    _open, _open_size, _open_pid = nat, size, os.getpid()
     return nat
 
 
@@ -170,5 +171,5 @@ def refused(asked: str, reason: str) -> None:
 
 @atexit.register
 def _close_at_exit() -> None:
-    if _open is not None:
+    if _open is not None and _open_pid == os.getpid():  # not in a forked child: its thread is the parent's
         _open.close()

@@ -71,3 +71,20 @@ def test_a_small_dev_shm_shrinks_the_chunk_then_gives_way_to_the_temporary_folde
     monkeypatch.setattr(shm.os, "statvfs", lambda _: Fs(1 << 20))
     folder, cap = shm._place(8)
     assert folder != str(tmp_path) and cap == shm.CAP_BYTES
+
+
+def test_a_forked_child_does_not_close_its_parents_transport_at_exit(monkeypatch):
+    # The child inherits the mapping and the native object, not the progress thread it would join.
+    closed = []
+
+    class Transport:
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(shm, "_open", Transport())
+    monkeypatch.setattr(shm, "_open_pid", shm.os.getpid() + 1)  # opened by another process: the parent
+    shm._close_at_exit()
+    assert closed == []
+    monkeypatch.setattr(shm, "_open_pid", shm.os.getpid())
+    shm._close_at_exit()
+    assert closed == [True]
