@@ -42,7 +42,9 @@ AXES: dict[str, tuple[str, ...]] = {
 # What each axis's values mean, for the docs page.
 AXIS_DOCS: dict[str, str] = {
     "backend": "`Replicator(backend=...)`: horovod over MPI (`mpirun`), horovod over Gloo (`horovodrun --gloo`), "
-               "`local` (in-graph `MirroredStrategy`), `tpu` (`TPUStrategy`).",
+               "`local` (in-graph `MirroredStrategy`), `tpu` (`TPUStrategy`). With every rank on one host, the "
+               "horovod backends' in-step sums go through hvrep's shared memory, the same sums "
+               "([Several ranks on one machine](one-host.md)): the 2-rank combination tests run through it.",
     "loop": "your own step in `repl.run` (or `hvrep train train.loop=custom`), Keras `model.fit` through "
             "`hvrep.keras` (`train.loop=fit`), and either under horovodrun's elastic driver (`hvrep.elastic`).",
     "precision": "`fp32`; `fp16`: `mixed_float16` with dynamic loss scaling (a `LossScaleOptimizer`); `bf16`: "
