@@ -182,11 +182,9 @@ def _worker(args: argparse.Namespace) -> int:
     # The same reductions through Horovod's collectives, side by side in the same rounds: on one host the default
     # is hvrep's shared-memory all-reduce (hvrep.replica.shm); Horovod's is what a job spanning hosts uses. The
     # flush-off contenders, which ask how hvrep's Horovod build serves them, go through Horovod too.
-    via_other = args.variant == "default" and (args.other_transport or args.flush_off)
-    other = "horovod"
-    repl_o = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport=other))
-              if via_other else repl)
-    repl_h = repl_o
+    via_horovod = args.variant == "default" and (args.other_transport or args.flush_off)
+    repl_h = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport="horovod"))
+              if via_horovod else None)
     if args.variant == "py_markers":
         from hvrep.replica import activity, watchdog
 
@@ -214,7 +212,7 @@ def _worker(args: argparse.Namespace) -> int:
     def barrier() -> None:
         repl.reduce(np.zeros((), np.float32), "sum")
 
-    # (entry, G, n, "with"|"with_other"|"with_flush_off"|"without") or ("floor", G) -> a call
+    # (entry, G, n, "with"|"with_horovod"|"with_flush_off"|"without") or ("floor", G) -> a call
     contenders: dict[tuple, Any] = {}
     for nbytes in args.sizes:
         for n in TENSORS:
@@ -234,11 +232,9 @@ def _worker(args: argparse.Namespace) -> int:
 
             contenders[("all_reduce", nbytes, n, "with")] = lambda f=with_ar, v=xs: repl.run(f, args=(v,))
             contenders[("all_reduce", nbytes, n, "without")] = lambda f=without_ar, v=xs: repl.run(f, args=(v,))
-            if args.other_transport and args.variant == "default":
-                contenders[("all_reduce", nbytes, n, "with_other")] = lambda f=with_ar, v=xs: repl_o.run(f, args=(v,))
-            if args.flush_off:
-                contenders[("all_reduce", nbytes, n, "with_flush_off")] = (
-                    lambda f=with_ar, v=xs: repl_h.run(f, args=(v,)))
+            if via_horovod:
+                # One call through Horovod; the flush-off contender is the same call with the flush turned off.
+                contenders[("all_reduce", nbytes, n, "with_horovod")] = lambda f=with_ar, v=xs: repl_h.run(f, args=(v,))
             if args.variant == "default":
                 with repl.scope():
                     variables = [keras.Variable(np.zeros(k, np.float32)) for k in each]
@@ -247,20 +243,21 @@ def _worker(args: argparse.Namespace) -> int:
                 for opt, which in ((wrapped, "with"), (plain, "without")):
                     apply = _apply_step(opt, variables, f"{scope}_{which}")
                     contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
-                for which, other_repl, wanted in (("with_other", repl_o, args.other_transport),
-                                                  ("with_flush_off", repl_h, args.flush_off)):
-                    if not wanted:
-                        continue
-                    if other_repl is repl:
-                        contenders[("wrap_optimizer", nbytes, n, which)] = contenders[
-                            ("wrap_optimizer", nbytes, n, "with")]
-                        continue
-                    with other_repl.scope():
-                        variables_o = [keras.Variable(np.zeros(k, np.float32)) for k in each]
-                        wrapped_o = other_repl.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
-                    apply = _apply_step(wrapped_o, variables_o, f"{scope}_{which}")
-                    contenders[("wrap_optimizer", nbytes, n, which)] = (
-                        lambda f=apply, v=xs, o=other_repl: o.run(f, args=(v,)))
+                if via_horovod:
+                    with repl_h.scope():
+                        variables_h = [keras.Variable(np.zeros(k, np.float32)) for k in each]
+                        wrapped_h = repl_h.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
+                    apply = _apply_step(wrapped_h, variables_h, f"{scope}_with_horovod")
+                    contenders[("wrap_optimizer", nbytes, n, "with_horovod")] = (
+                        lambda f=apply, v=xs: repl_h.run(f, args=(v,)))
+            for entry in ENTRIES:
+                key = (entry, nbytes, n, "with_horovod")
+                if key not in contenders:
+                    continue
+                if args.flush_off:
+                    contenders[(entry, nbytes, n, "with_flush_off")] = contenders[key]
+                if not args.other_transport:
+                    del contenders[key]
         if args.variant == "default" and (mpi is not None or gloo is not None):
             if mpi is not None:
                 send = np.full(nbytes // 4, 1.0 + rank, np.float32)
@@ -324,10 +321,10 @@ def _worker(args: argparse.Namespace) -> int:
             records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
                             "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
                             "median_us": round(float(np.median(us)), 2)})
-        elif key[3] in ("with", "with_other", "with_flush_off"):
+        elif key[3] in ("with", "with_horovod", "with_flush_off"):
             w, wo = col[key], col[(*key[:3], "without")]
             cost = [round(a - b, 2) for a, b in zip(w, wo, strict=True)]
-            variant = {"with_flush_off": "flush_off", "with_other": f"{other}_transport"}.get(key[3], args.variant)
+            variant = {"with_flush_off": "flush_off", "with_horovod": "horovod_transport"}.get(key[3], args.variant)
             records.append({**base, "variant": variant, "kind": "cost", "entry": key[0], "bytes": key[1],
                             "tensors": key[2],
                             "with_us": w, "without_us": wo, "cost_us": cost,
