@@ -54,10 +54,13 @@ def test_horovods_connections_are_shut_down_and_another_threads_are_left_alone()
     before_peer, _ = server.accept()
     peers: list[socket.socket] = []
     user: dict[str, socket.socket] = {}
+    # The user thread's own listener: were it to accept on ``server`` too, the two accepts could take each other's
+    # connections and the test would check the wrong peer.
+    user_server = socket.create_server(("127.0.0.1", 0))
 
     def user_thread() -> None:  # connects and accepts while "hvd.init()" runs
-        user["client"] = socket.create_connection(server.getsockname(), timeout=5)
-        user["peer"], _ = server.accept()
+        user["client"] = socket.create_connection(user_server.getsockname(), timeout=5)
+        user["peer"], _ = user_server.accept()
 
     with gloo_sockets.recorded():
         thread = threading.Thread(target=user_thread)
@@ -86,5 +89,5 @@ def test_horovods_connections_are_shut_down_and_another_threads_are_left_alone()
     assert gloo_sockets.shut_down_world() == 0
     for fd in (connector, acceptor):
         os.close(fd)
-    for s in (server, before_client, before_peer, user["client"], user["peer"], listener, *peers):
+    for s in (server, user_server, before_client, before_peer, user["client"], user["peer"], listener, *peers):
         s.close()
