@@ -165,6 +165,15 @@ def status() -> KernelStatus:
     return _load()[1]
 
 
+def with_library(op: str) -> tuple[ModuleType, ctypes.CDLL] | None:
+    """The op module and the loaded library's C functions, where the library has ``op`` (a newer build's op);
+    else None. dlopen of the path TensorFlow loaded returns its handle, so the C functions share the ops' state."""
+    ops, st = op_module(), status()
+    if ops is None or st.library is None or not hasattr(ops, op):
+        return None
+    return ops, ctypes.CDLL(st.library)
+
+
 def available(device_type: str = "CPU") -> bool:
     """True if the fused kernels are loaded for ``device_type`` ("CPU" or "GPU")."""
     return device_type.upper() in _load()[1].devices

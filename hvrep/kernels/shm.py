@@ -69,8 +69,5 @@ def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
 @functools.cache
 def native() -> Native | None:
     """The transport's native side, or None where the fused kernels are not loaded (or predate it)."""
-    ops, st = loader.op_module(), loader.status()
-    if ops is None or st.library is None or not hasattr(ops, "hvrep_shm_allreduce"):
-        return None
-    # The library TensorFlow loaded: dlopen of the same path returns its handle, so the transport is the op's.
-    return Native(ops, ctypes.CDLL(st.library))
+    found = loader.with_library("hvrep_shm_allreduce")
+    return None if found is None else Native(*found)

@@ -85,8 +85,5 @@ class Native:
 @functools.cache
 def native() -> Native | None:
     """The native markers, or None where the fused kernels are not loaded (or predate them)."""
-    ops, st = loader.op_module(), loader.status()
-    if ops is None or st.library is None or not hasattr(ops, "hvrep_watch_enter"):
-        return None
-    # The library TensorFlow loaded: dlopen of the same path returns its handle, so the tables are the ops'.
-    return Native(ops, ctypes.CDLL(st.library))
+    found = loader.with_library("hvrep_watch_enter")
+    return None if found is None else Native(*found)
