@@ -18,11 +18,14 @@ at the start and end of each run.
 before TensorFlow starts): a replay filled once with random transitions of the environment's shape (the learner's
 cost does not depend on their values), no actors; ``--learner-steps`` timed steps after 20 untimed ones. Contenders,
 one launch each per round, in turn: 1 rank (one process), 2 ranks under ``mpirun``, 2 ranks under
-``horovodrun --gloo``. ``learner`` lines (steps/s and transitions/s of the slowest rank; per learner step, the
-most CPU time and voluntary context switches of a rank: on a loaded machine, the work a step does and how often it
-waits, which the load moves less than the rates) and ``learner_scaling`` lines (2 ranks' transitions/s over the
-same round's 1 rank). ``--env KEY=VALUE`` sets a variable in every launch (e.g. ``HOROVOD_CYCLE_TIME=0.1``; the
-launcher's own variables are otherwise dropped).
+``horovodrun --gloo``, and ``2 x 1 rank apart``: two 1-rank learners at once, each on a core of its own, timed from
+a common start, with no communication at all — the machine's own ceiling for 2 ranks (shared caches and memory,
+the host's scheduling of both cores), which a 2-rank learner can at best reach. ``learner`` lines (steps/s and
+transitions/s of the slowest rank; per learner step, the most CPU time and voluntary context switches of a rank:
+on a loaded machine, the work a step does and how often it waits, which the load moves less than the rates) and
+``learner_scaling`` lines (2 ranks' transitions/s over the same round's 1 rank; for the 2-rank launchers also
+``of_ceiling``, over the same round's ``2 x 1 rank apart``). ``--env KEY=VALUE`` sets a variable in every launch
+(e.g. ``HOROVOD_CYCLE_TIME=0.1``; the launcher's own variables are otherwise dropped).
 """
 
 from __future__ import annotations
@@ -185,14 +188,19 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 LEARNER_PREFIX = "D4PG_LEARNER "
-LEARNER_CONTENDERS = ("1 rank", "2 ranks mpirun", "2 ranks horovodrun")
+APART = "2 x 1 rank apart"
+LEARNER_CONTENDERS = ("1 rank", "2 ranks mpirun", "2 ranks horovodrun", APART)
+# For APART's two processes: the core each takes, and a folder where each marks its start (a file barrier).
+CORE_VAR, BARRIER_VAR = "D4PG_LEARNER_CORE", "D4PG_LEARNER_BARRIER"
 
 
 def _learner_worker(steps: int, settings: list[str]) -> int:
     """One learner rank: a replay filled once, no actors; prints steps/s of ``steps`` learner steps (rank 0)."""
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
+    local = int(os.environ.get(CORE_VAR) or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
+                or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[local % len(cores)]})
+    core = cores[local % len(cores)]
+    os.sched_setaffinity(0, {core})
     import numpy as np
 
     import hvrep
@@ -220,6 +228,8 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
         return np.asarray([n / seconds, 1e3 * cpu / n, (r1.ru_nvcsw - r0.ru_nvcsw) / n])
 
     run(20, 1)
+    if os.environ.get(BARRIER_VAR):  # APART: both processes start timing together
+        _file_barrier(Path(os.environ[BARRIER_VAR]), local, 2)
     mine = run(steps, 21)
     # The slowest rank's steps/s; the most CPU and context switches per step of a rank.
     worst = np.asarray(repl.reduce(mine * np.asarray([-1.0, 1.0, 1.0]), "max"), np.float64)
@@ -230,10 +240,41 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
                                            cfg.per_replica_batch,
                                            "transitions_per_sec": round(slowest * cfg.per_replica_batch
                                                                         * repl.num_replicas, 1),
+                                           "core": core,
                                            "cpu_ms_per_step": round(float(worst[1]), 3),
                                            "voluntary_switches_per_step": round(float(worst[2]), 2)}), flush=True)
     repl.close()
     return 0
+
+
+def _file_barrier(folder: Path, me: int, count: int, timeout: float = 300.0) -> None:
+    """Marks ``me`` arrived in ``folder`` and waits until ``count`` processes have."""
+    (folder / f"arrived.{me}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("arrived.*"))) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"d4pg learner {me}: the other process of {APART!r} did not start within {timeout:g} s")
+        time.sleep(0.001)
+
+
+def _learner_apart(steps: int, settings: list[str], env: dict[str, str], timeout: float) -> tuple[int, dict, str]:
+    """Two 1-rank learners at once, one per core, timed from a common start: (rc, the pair's record, output)."""
+    with tempfile.TemporaryDirectory() as barrier:
+        procs = [subprocess.Popen(_learner_command("1 rank", steps, settings), cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env={**env, CORE_VAR: str(i), BARRIER_VAR: barrier}) for i in range(2)]
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    rc = max(p.returncode for p in procs)
+    found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for o in outs for x in o.splitlines() if LEARNER_PREFIX in x]
+    if rc != 0 or len(found) != 2:
+        return rc or 1, {}, "".join(outs)
+    slowest = min(f["steps_per_sec"] for f in found)
+    batch = found[0]["per_replica_batch"]
+    return 0, {"ranks": 2, "backend": "local (2 processes, no communication)", "steps_per_sec": slowest,
+               "per_replica_batch": batch, "transitions_per_sec": round(slowest * batch * 2, 1),
+               "cores": sorted(f["core"] for f in found),
+               "cpu_ms_per_step": max(f["cpu_ms_per_step"] for f in found),
+               "voluntary_switches_per_step": max(f["voluntary_switches_per_step"] for f in found)}, ""
 
 
 def _learner_command(contender: str, steps: int, settings: list[str]) -> list[str]:
@@ -257,21 +298,29 @@ def learner_only(rounds: int, steps: int, settings: list[str], timeout: float,
         got: dict[str, dict[str, Any]] = {}
         for contender in LEARNER_CONTENDERS:
             load0 = os.getloadavg()[0]
-            proc = subprocess.run(_learner_command(contender, steps, settings), cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=timeout)
-            found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for x in proc.stdout.splitlines()
-                     if LEARNER_PREFIX in x]
-            rec = {"kind": "learner", "round": r, "contender": contender, "rc": proc.returncode,
+            if contender == APART:
+                rc, result, output = _learner_apart(steps, settings, env, timeout)
+            else:
+                proc = subprocess.run(_learner_command(contender, steps, settings), cwd=ROOT, env=env,
+                                      capture_output=True, text=True, timeout=timeout)
+                found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for x in proc.stdout.splitlines()
+                         if LEARNER_PREFIX in x]
+                rc, result, output = proc.returncode, (found[0] if found else {}), proc.stdout + proc.stderr
+            rec = {"kind": "learner", "round": r, "contender": contender, "rc": rc,
                    "learner_steps": steps, "env": extra_env or {},
                    "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
-                   **(found[0] if found else {"tail": (proc.stdout + proc.stderr)[-2000:]})}
+                   **(result or {"tail": output[-2000:]})}
             records.append(rec)
             got[contender] = rec
         one = got["1 rank"].get("transitions_per_sec")
+        ceiling = got[APART].get("transitions_per_sec")
         for contender in LEARNER_CONTENDERS[1:]:
             two = got[contender].get("transitions_per_sec")
-            records.append({"kind": "learner_scaling", "round": r, "contender": contender, "env": extra_env or {},
-                            "transitions_per_sec_2_over_1": round(two / one, 3) if one and two else None})
+            line = {"kind": "learner_scaling", "round": r, "contender": contender, "env": extra_env or {},
+                    "transitions_per_sec_2_over_1": round(two / one, 3) if one and two else None}
+            if contender != APART:
+                line["of_ceiling"] = round(two / ceiling, 3) if ceiling and two else None
+            records.append(line)
     return records
 
 
@@ -287,7 +336,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("results/d4pg.jsonl"))
     p.add_argument("--plot", type=Path, default=None, help="a PNG of return against wall time and learner steps")
     p.add_argument("--learner-only", action="store_true",
-                   help="the learner alone (a replay filled once, no actors): 1 rank vs 2 ranks, both launchers")
+                   help="the learner alone (a replay filled once, no actors): 1 rank vs 2 ranks, both launchers, "
+                        "and two 1-rank learners apart (the machine's ceiling)")
     p.add_argument("--rounds", type=int, default=3, help="with --learner-only: rounds of the contenders (default 3)")
     p.add_argument("--learner-steps", type=int, default=300,
                    help="with --learner-only: timed learner steps per launch (default 300)")

@@ -1,7 +1,7 @@
-"""benchmarks/d4pg.py --learner-only: one round of its three contenders (1 rank, 2 ranks under mpirun, 2 under
-horovodrun --gloo), each learning from a replay filled once with no actors; the lines' schema and the ratio
-computed from the same round's launches; ``--env`` reaches every launch's record; per-step CPU time and
-context switches. No timing bounds: the figures are docs/performance.md's."""
+"""benchmarks/d4pg.py --learner-only: one round of its four contenders (1 rank, 2 ranks under mpirun, 2 under
+horovodrun --gloo, two 1-rank learners apart on a core each), each learning from a replay filled once with no
+actors; the lines' schema and the ratios computed from the same round's launches; ``--env`` reaches every
+launch's record; per-step CPU time and context switches. No timing bounds: the figures are docs/performance.md's."""
 
 from __future__ import annotations
 
@@ -23,18 +23,25 @@ def test_learner_only_round(tmp_path):
     assert rc == 0, (tmp_path / "log").read_text()[-4000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     learners = {r["contender"]: r for r in lines if r["kind"] == "learner"}
-    assert sorted(learners) == ["1 rank", "2 ranks horovodrun", "2 ranks mpirun"]
+    assert sorted(learners) == ["1 rank", "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
     for name, r in learners.items():
         assert r["rc"] == 0, r
         assert r["ranks"] == (1 if name == "1 rank" else 2)
-        assert r["backend"] == ("local" if name == "1 rank" else "horovod")
+        assert r["backend"] == {"1 rank": "local", "2 x 1 rank apart": "local (2 processes, no communication)"}.get(
+            name, "horovod")
         assert r["transitions_per_sec"] == pytest.approx(r["steps_per_sec"] * r["per_replica_batch"] * r["ranks"],
                                                          rel=1e-3)
         assert r["env"] == {"HOROVOD_CYCLE_TIME": "0.1"}, r
         # A learner step computes: its CPU time is > 0 (how much is load-dependent: no bound).
         assert r["cpu_ms_per_step"] > 0 and r["voluntary_switches_per_step"] >= 0, r
     one = learners["1 rank"]["transitions_per_sec"]
+    ceiling = learners["2 x 1 rank apart"]["transitions_per_sec"]
+    assert len(set(learners["2 x 1 rank apart"]["cores"])) == 2  # a core each
     for r in (r for r in lines if r["kind"] == "learner_scaling"):
         two = learners[r["contender"]]["transitions_per_sec"]
         assert r["transitions_per_sec_2_over_1"] == pytest.approx(two / one, abs=1e-3)
-    assert len([r for r in lines if r["kind"] == "learner_scaling"]) == 2
+        if r["contender"] != "2 x 1 rank apart":
+            assert r["of_ceiling"] == pytest.approx(two / ceiling, abs=1e-3)
+    assert sorted(r["contender"] for r in lines if r["kind"] == "learner_scaling") == [
+        "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
+
