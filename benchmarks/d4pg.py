@@ -195,7 +195,8 @@ CORE_VAR, BARRIER_VAR = "D4PG_LEARNER_CORE", "D4PG_LEARNER_BARRIER"
 
 
 def _learner_worker(steps: int, settings: list[str]) -> int:
-    """One learner rank: a replay filled once, no actors; prints steps/s of ``steps`` learner steps (rank 0)."""
+    """One learner rank: a replay filled once, no actors; prints steps/s of ``steps`` learner steps (rank 0), and
+    the core rank 0 ran on."""
     local = int(os.environ.get(CORE_VAR) or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
                 or os.environ.get("HOROVOD_LOCAL_RANK") or 0)
     cores = sorted(os.sched_getaffinity(0))
@@ -247,6 +248,11 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
     return 0
 
 
+def _learner_lines(output: str) -> list[dict[str, Any]]:
+    """The ``LEARNER_PREFIX`` records a learner launch printed."""
+    return [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for x in output.splitlines() if LEARNER_PREFIX in x]
+
+
 def _file_barrier(folder: Path, me: int, count: int, timeout: float = 300.0) -> None:
     """Marks ``me`` arrived in ``folder`` and waits until ``count`` processes have."""
     (folder / f"arrived.{me}").touch()
@@ -265,7 +271,7 @@ def _learner_apart(steps: int, settings: list[str], env: dict[str, str], timeout
                                   env={**env, CORE_VAR: str(i), BARRIER_VAR: barrier}) for i in range(2)]
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     rc = max(p.returncode for p in procs)
-    found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for o in outs for x in o.splitlines() if LEARNER_PREFIX in x]
+    found = [rec for o in outs for rec in _learner_lines(o)]
     if rc != 0 or len(found) != 2:
         return rc or 1, {}, "".join(outs)
     slowest = min(f["steps_per_sec"] for f in found)
@@ -303,8 +309,7 @@ def learner_only(rounds: int, steps: int, settings: list[str], timeout: float,
             else:
                 proc = subprocess.run(_learner_command(contender, steps, settings), cwd=ROOT, env=env,
                                       capture_output=True, text=True, timeout=timeout)
-                found = [json.loads(x.split(LEARNER_PREFIX, 1)[1]) for x in proc.stdout.splitlines()
-                         if LEARNER_PREFIX in x]
+                found = _learner_lines(proc.stdout)
                 rc, result, output = proc.returncode, (found[0] if found else {}), proc.stdout + proc.stderr
             rec = {"kind": "learner", "round": r, "contender": contender, "rc": rc,
                    "learner_steps": steps, "env": extra_env or {},
