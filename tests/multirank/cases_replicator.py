@@ -155,6 +155,53 @@ def case_reduce_returns_the_same_numpy_on_every_rank():
     assert isinstance(got["a"], np.ndarray) and got["b"] == 2  # (2 + 3) // 2
 
 
+def case_a_small_eager_reduce_is_one_collective_and_equals_horovods_all_reduce():
+    # A small eager reduce travels in its call check's allgather: one Horovod collective whatever its leaves and
+    # dtypes (was one for the check and one per leaf, each waiting out Horovod's fusion window); its values are
+    # those of Horovod's all-reduce leaf by leaf, which larger values still take.
+    from hvrep.replica.backends import horovod as backend
+
+    r, me = repl(), _rank()
+    hvd = r._backend.hvd
+    calls = []
+    real = {name: getattr(hvd, name) for name in ("allgather", "allreduce")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+        return call
+
+    value = {"f32": tf.constant([me + 1.0, 0.25 * (me + 1)]), "i32": tf.constant(me + 2),
+             "f64": np.float64(me + 1) / 3, "f16": tf.constant([[me + 0.5]], tf.float16),
+             "bf16": tf.constant([me + 1.0], tf.bfloat16), "i64": np.array([me, -7], np.int64), "none": None}
+    limit = backend.GATHERED_REDUCE_BYTES
+    try:
+        for name in real:
+            setattr(hvd, name, counting(name))
+        for op in ("sum", "mean", "max", "min"):
+            before = len(calls)
+            small = r.reduce(value, op)
+            assert calls[before:] == ["allgather"], (op, calls[before:])
+            backend.GATHERED_REDUCE_BYTES = 0  # every leaf through Horovod's all-reduce, as before
+            before = len(calls)
+            large = r.reduce(value, op)
+            backend.GATHERED_REDUCE_BYTES = limit
+            assert calls[before:] == ["allgather"] + ["allreduce"] * 6, (op, calls[before:])
+            assert small["none"] is None and large["none"] is None
+            for k, v in value.items():
+                if v is None:
+                    continue
+                a, b = np.asarray(small[k]), np.asarray(large[k])
+                assert a.dtype == b.dtype and a.shape == b.shape == np.shape(v), (op, k, a, b)
+                np.testing.assert_array_equal(a.astype(np.float64), b.astype(np.float64), err_msg=f"{op} {k}")
+        assert r.reduce({"n": tf.constant(1)}, "sum")["n"] == 2
+    finally:
+        backend.GATHERED_REDUCE_BYTES = limit
+        for name, fn in real.items():
+            setattr(hvd, name, fn)
+
+
 def case_fused_path_issues_far_fewer_collectives_than_tensors():
     shapes = [(3, 3, 4, 8), (8,), (8,), (128, 10), (10,)] * 4  # 20 tensors
 

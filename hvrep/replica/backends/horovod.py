@@ -597,28 +597,51 @@ class HorovodBackend(Backend):
             return self._reduce(value, op, hop)
 
     def _reduce(self, value: Any, op: str, hop: Any) -> Any:
-        self._check_same_call(f"reduce({op})", value)
+        leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value) if v is not None]
+        # What travels: bfloat16 as float32 (Horovod reduces no bfloat16), cast back after the reduction.
+        wires = [np.asarray((tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t).numpy()) for t in leaves]
+        small = (all(w.dtype in _GATHERED_DTYPES for w in wires)
+                 and sum(w.nbytes for w in wires) * self.num_replicas <= GATHERED_REDUCE_BYTES)
+        gathered = self._check_same_call(f"reduce({op})", value, b"".join(w.tobytes() for w in wires) if small
+                                         else None)
+        if gathered is not None:
+            # The values came with the call check: reduced here, in rank order, the same on every rank.
+            reduced = iter(_reduce_gathered(gathered, wires, op))
+            collective = lambda w: tf.constant(next(reduced))  # noqa: E731
+        else:
+            collective = lambda w: self.hvd.allreduce(w, op=hop, name=self._name("reduce"))  # noqa: E731
 
         def one(v: Any) -> Any:
-            return reduce_bf16_as_f32(tf.convert_to_tensor(v), op, self.num_replicas,
-                                      lambda w: self.hvd.allreduce(w, op=hop, name=self._name("reduce"))).numpy()
+            return reduce_bf16_as_f32(tf.convert_to_tensor(v), op, self.num_replicas, collective).numpy()
 
         return tf.nest.map_structure(lambda v: None if v is None else one(v), value)
 
-    def _check_same_call(self, what: str, value: Any) -> None:
-        """Refuses an eager collective that is not the same call on every rank.
+    def _check_same_call(self, what: str, value: Any, payload: bytes | None = None) -> list[bytes] | None:
+        """Refuses an eager collective that is not the same call on every rank; returns every rank's ``payload``.
 
         Eager Horovod ops pair across ranks by name, and the names come from a per-process counter; a call made
         on some ranks only (``if repl.is_chief: repl.reduce(...)``) would pair each later call with a different
-        one on the other ranks, exchanging the wrong tensors or hanging. One small allgather of the call site
-        first makes every rank see the mismatch and raise the same error instead.
+        one on the other ranks, exchanging the wrong tensors or hanging. One allgather of the call site's digest
+        first makes every rank see the mismatch and raise the same error instead. ``payload`` (a small
+        reduction's values, the same size on every rank making the same call) travels in that same allgather:
+        returned in rank order, so the caller needs no collective of its own; None where it was None.
         """
         site = _call_site()
         shapes = ",".join(f"{tf.as_dtype(getattr(v, 'dtype', np.asarray(v).dtype)).name}{list(np.shape(v))}"
                           for v in tf.nest.flatten(value) if v is not None)
-        calls = self._texts_if_they_differ(f"{what} at {site} of {shapes}", "call")
-        if calls is None:
-            return
+        text = f"{what} at {site} of {shapes}"
+        digest = hashlib.sha256(text.encode()).digest()[:8]
+        body = payload or b""
+        block = digest + len(body).to_bytes(8, "little") + bytes([payload is not None]) + body
+        out = self.hvd.allgather(tf.constant(np.frombuffer(block, np.uint8)), name=self._name("call")).numpy()
+        blocks, pos, data = [], 0, out.tobytes()
+        while pos + _CALL_HEADER <= len(data):  # each rank's block, in rank order: its length is in its header
+            n = int.from_bytes(data[pos + 8:pos + 16], "little")
+            blocks.append((data[pos:pos + 8], data[pos + 16], data[pos + _CALL_HEADER:pos + _CALL_HEADER + n]))
+            pos += _CALL_HEADER + n
+        if len(blocks) == self.num_replicas and pos == len(data) and all(b[0] == digest for b in blocks):
+            return [b[2] for b in blocks] if payload is not None else None
+        calls = self._texts_if_they_differ(text, "call") or [text] * self.num_replicas
         listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
         raise ReplicaMismatchError(
             f"ranks made different eager collective calls (call #{self._eager_names} of this process): {listing}. "
@@ -626,6 +649,31 @@ class HorovodBackend(Backend):
             "wrong values or hangs. Fix: call repl.reduce on every rank and use its result only on the chief "
             "(e.g. `loss = repl.reduce(x, 'mean'); if repl.is_chief: print(loss)`)."
         )
+
+
+# An eager reduce whose values, times the ranks, come to at most this many bytes travels in its call check's
+# allgather (HorovodBackend._check_same_call) and is summed on each rank: one collective a call, where one a leaf
+# followed, each waiting out Horovod's fusion window (eager ops cannot skip it) — hvrep train's loop totals every
+# steps_per_loop steps, a Keras callback's metrics. Larger values take Horovod's all-reduce, leaf by leaf.
+GATHERED_REDUCE_BYTES = 1 << 16
+_GATHERED_DTYPES = tuple(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int32, np.int64))
+_CALL_HEADER = 17  # a rank's block in the call check: digest (8 bytes), payload length (8), payload present (1)
+
+
+def _reduce_gathered(gathered: Sequence[bytes], wires: Sequence[np.ndarray], op: str) -> list[np.ndarray]:
+    """Every rank's values (``gathered``: each rank's ``wires`` as bytes, in rank order) reduced leaf by leaf:
+    summed (for "sum" and "mean") or the max or min, in rank order and in the wire's dtype, as Horovod would."""
+    ufunc = {"max": np.maximum, "min": np.minimum}.get(op, np.add)
+    out = []
+    offset = 0
+    for w in wires:
+        parts = [np.frombuffer(g, w.dtype, w.size, offset).reshape(w.shape) for g in gathered]
+        acc = parts[0].copy()
+        for p in parts[1:]:
+            ufunc(acc, p, out=acc)
+        out.append(acc)
+        offset += w.nbytes
+    return out
 
 
 def _op_name(t: tf.Tensor) -> str:
