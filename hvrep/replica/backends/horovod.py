@@ -597,16 +597,17 @@ class HorovodBackend(Backend):
             return self._reduce(value, op, hop)
 
     def _reduce(self, value: Any, op: str, hop: Any) -> Any:
-        leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value) if v is not None]
         # What travels: bfloat16 as float32 (Horovod reduces no bfloat16), cast back after the reduction.
-        wires = [np.asarray((tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t).numpy()) for t in leaves]
-        small = (all(w.dtype in _GATHERED_DTYPES for w in wires)
-                 and sum(w.nbytes for w in wires) * self.num_replicas <= GATHERED_REDUCE_BYTES)
-        gathered = self._check_same_call(f"reduce({op})", value, b"".join(w.tobytes() for w in wires) if small
+        wires = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
+                 for t in (tf.convert_to_tensor(v) for v in tf.nest.flatten(value) if v is not None)]
+        small = (all(w.dtype in _GATHERED_DTYPES for w in wires) and self.num_replicas * sum(
+            w.shape.num_elements() * w.dtype.size for w in wires) <= GATHERED_REDUCE_BYTES)
+        arrays = [np.asarray(w.numpy()) for w in wires] if small else []
+        gathered = self._check_same_call(f"reduce({op})", value, b"".join(a.tobytes() for a in arrays) if small
                                          else None)
         if gathered is not None:
             # The values came with the call check: reduced here, in rank order, the same on every rank.
-            reduced = iter(_reduce_gathered(gathered, wires, op))
+            reduced = iter(_reduce_gathered(gathered, arrays, op))
             collective = lambda w: tf.constant(next(reduced))  # noqa: E731
         else:
             collective = lambda w: self.hvd.allreduce(w, op=hop, name=self._name("reduce"))  # noqa: E731
@@ -632,15 +633,16 @@ class HorovodBackend(Backend):
         text = f"{what} at {site} of {shapes}"
         digest = hashlib.sha256(text.encode()).digest()[:8]
         body = payload or b""
-        block = digest + len(body).to_bytes(8, "little") + bytes([payload is not None]) + body
+        block = digest + len(body).to_bytes(8, "little") + body
         out = self.hvd.allgather(tf.constant(np.frombuffer(block, np.uint8)), name=self._name("call")).numpy()
         blocks, pos, data = [], 0, out.tobytes()
         while pos + _CALL_HEADER <= len(data):  # each rank's block, in rank order: its length is in its header
             n = int.from_bytes(data[pos + 8:pos + 16], "little")
-            blocks.append((data[pos:pos + 8], data[pos + 16], data[pos + _CALL_HEADER:pos + _CALL_HEADER + n]))
+            blocks.append((data[pos:pos + 8], data[pos + _CALL_HEADER:pos + _CALL_HEADER + n]))
             pos += _CALL_HEADER + n
+        # The same digest is the same call on the same dtypes and shapes: every rank sent a payload or none.
         if len(blocks) == self.num_replicas and pos == len(data) and all(b[0] == digest for b in blocks):
-            return [b[2] for b in blocks] if payload is not None else None
+            return [b[1] for b in blocks] if payload is not None else None
         calls = self._texts_if_they_differ(text, "call") or [text] * self.num_replicas
         listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
         raise ReplicaMismatchError(
@@ -656,13 +658,14 @@ class HorovodBackend(Backend):
 # followed, each waiting out Horovod's fusion window (eager ops cannot skip it) — hvrep train's loop totals every
 # steps_per_loop steps, a Keras callback's metrics. Larger values take Horovod's all-reduce, leaf by leaf.
 GATHERED_REDUCE_BYTES = 1 << 16
-_GATHERED_DTYPES = tuple(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int32, np.int64))
-_CALL_HEADER = 17  # a rank's block in the call check: digest (8 bytes), payload length (8), payload present (1)
+_GATHERED_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+_CALL_HEADER = 16  # a rank's block in the call check: the call's digest (8 bytes), the payload's length (8)
 
 
 def _reduce_gathered(gathered: Sequence[bytes], wires: Sequence[np.ndarray], op: str) -> list[np.ndarray]:
-    """Every rank's values (``gathered``: each rank's ``wires`` as bytes, in rank order) reduced leaf by leaf:
-    summed (for "sum" and "mean") or the max or min, in rank order and in the wire's dtype, as Horovod would."""
+    """Every rank's values (``gathered``: each rank's counterpart of this rank's ``wires``, as bytes, in rank
+    order) reduced leaf by leaf: summed (for "sum" and "mean") or the max or min, in rank order and in the wire's
+    dtype, as Horovod would."""
     ufunc = {"max": np.maximum, "min": np.minimum}.get(op, np.add)
     out = []
     offset = 0
