@@ -68,6 +68,8 @@ def _ranged(spec: Any) -> tuple[float, float, float]:
 def _inputs_of(point: Mapping[str, Any], cluster: Mapping[str, Any], shared: Mapping[str, Any]) -> dict:
     """Every varying input of one point: name -> (point, low, high)."""
     out = {"single_gpu_images_per_sec": None, "backward_share": _ranged(shared["backward_share"])}
+    if "overlap_slowdown" in shared:
+        out["overlap_slowdown"] = _ranged(shared["overlap_slowdown"])
     if "backward_s" in point:  # published directly (Goyal et al.): the forward pass from the backward share
         out.pop("single_gpu_images_per_sec")
         out["backward_s"] = _ranged(point["backward_s"])
@@ -96,7 +98,8 @@ def efficiency(point: Mapping[str, Any], cluster: Mapping[str, Any], layers: lis
                       beta_s=values["negotiation_us"] * 1e-6,
                       fusion_threshold_bytes=int(_ranged(cluster["fusion_threshold_bytes"])[0]),
                       cycle_s=_ranged(cluster["cycle_ms"])[0] * 1e-3,
-                      bucketing=cluster.get("bucketing", {}).get("point", "dynamic"))
+                      bucketing=cluster.get("bucketing", {}).get("point", "dynamic"),
+                      overlap_slowdown=values.get("overlap_slowdown", 0.0))
     g = cluster["gpus_per_server"]
     machines = Cluster(g, Interconnect("intra", values["intra_bandwidth_GBps"], values["intra_latency_us"]),
                        Interconnect("inter", values["inter_bandwidth_GBps"], values["inter_latency_us"]),
@@ -155,6 +158,7 @@ def evaluate(point: Mapping[str, Any], cluster: Mapping[str, Any], shared: Mappi
             "inter_bandwidth_range": "–".join(f"{v:g}" for v in ranges["inter_bandwidth_GBps"][1:]),
             "low": min([*corners, eff]), "high": max([*corners, eff]), "corners": len(corners),
             "step_s": step.step_s, "compute_s": step.compute_s, "exposed_s": step.exposed_communication_s,
+            "contention_s": step.contention_s,
             "negotiation_s": step.negotiation_s, "communication_s": step.communication_s,
             "collectives": step.collectives, "swings": swings, "software": point.get("software", ""),
             "no_overlap": serial,
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         swing = ", ".join(f"{k} {100 * lo:.1f}–{100 * hi:.1f}%" for k, (lo, hi) in
                           sorted(r["swings"].items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])))
-        print(f"{r['label']}: step {1e3 * r['step_s']:.0f} ms = compute {1e3 * r['compute_s']:.0f} + exposed "
+        print(f"{r['label']}: step {1e3 * r['step_s']:.0f} ms = compute {1e3 * r['compute_s']:.0f} + contention "
+              f"{1e3 * r['contention_s']:.0f} + exposed "
               f"communication {1e3 * r['exposed_s']:.0f} + negotiation {1e3 * r['negotiation_s']:.1f} "
               f"(link busy {1e3 * r['communication_s']:.0f} ms in {r['collectives']:.0f} collectives); each input "
               f"alone: {swing}")

@@ -35,8 +35,11 @@ equations, with their sources, are in docs/planning.md:
   step's collectives draw on it in order, each device's link carrying the bandwidth term's bytes (2(N−1)/N·b in
   a ring); what the bucket holds at a step's start is min(burst, rate × the link's idle time per step), solved
   with the step it shortens;
+* contention (``overlap_slowdown``, σ; 0 unless the profile gives it): while a collective runs beside the
+  backward pass, the pass computes at 1/(1 + σ) of its speed, so the gradients after it are ready later and
+  the pass ends later (Lee et al. 2025, arXiv:2507.03114, measure this slowdown for NCCL beside GPU kernels);
 * input: the node's pipeline must deliver g·batch images per step; prefetching hides it behind the rest, so
-  the step is max(compute + codec + exposed communication + negotiation, g·batch / input images/s).
+  the step is max(compute + contention + codec + exposed communication + negotiation, g·batch / input images/s).
 
 Left out: congestion and oversubscribed fabrics, stragglers, NCCL's tree algorithm, a codec or γ the profile
 does not give (counted 0), and any change in the number of steps a scheme needs to reach an accuracy (local
@@ -109,6 +112,9 @@ class Profile:
       codec_s: per scheme ("fp32", "fp16", "powersgd:R"), the seconds per step a device spends around its
         collectives in series with its compute (packing and unpacking the buckets, casts, PowerSGD's
         factors and error feedback); local SGD pays "fp32"'s on its synchronising steps; absent: 0.
+      overlap_slowdown: σ, how much slower the backward pass computes while a collective runs beside it
+        (the collective's kernels, copies or CPU threads share the device): 0.2 means 1.2 times as long. 0
+        (the default) is a device the collectives do not touch; ``hvrep bench node`` does not measure it.
       source: where the figures came from (measured, or the publications).
     """
 
@@ -128,6 +134,7 @@ class Profile:
     state_bytes: float = 0.0
     gamma_s_per_byte: Mapping[str, float] = field(default_factory=dict)
     codec_s: Mapping[str, float] = field(default_factory=dict)
+    overlap_slowdown: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -140,6 +147,7 @@ class Profile:
         _count("fusion_threshold_bytes", self.fusion_threshold_bytes)
         _positive("state_bytes", self.state_bytes, zero=True)
         _positive("cycle_s", self.cycle_s, zero=True)
+        _positive("overlap_slowdown", self.overlap_slowdown, zero=True)
         if self.bucketing not in BUCKETINGS:
             raise ConfigError(f"bucketing must be one of {', '.join(BUCKETINGS)}, got {self.bucketing!r}. Fix: "
                               "'static' for hvrep's buckets, 'dynamic' for Horovod's Tensor Fusion (docs/planning.md).")
@@ -193,7 +201,7 @@ class Profile:
                 cycle_s=src.get("cycle_s", 1e-3), bucketing=src.get("bucketing", "dynamic"),
                 input_images_per_sec=src.get("input_images_per_sec"), state_bytes=src.get("state_bytes", 0.0),
                 gamma_s_per_byte=src.get("gamma_s_per_byte") or {}, codec_s=src.get("codec_s") or {},
-                source=str(src.get("source", "")))
+                overlap_slowdown=src.get("overlap_slowdown", 0.0), source=str(src.get("source", "")))
         except KeyError as e:
             raise ConfigError(f"the profile has no {e.args[0]!r}. Fix: write it with `hvrep bench node`, or add "
                               f"it by hand (docs/planning.md lists the fields).") from None
@@ -306,12 +314,13 @@ class Overlap:
     collectives: int
     busy_s: float  # the link's time, all collectives together
     end_s: float  # when the last collective ends
-    exposed_s: float  # max(0, end − backward)
+    exposed_s: float  # max(0, end − the backward pass's end)
+    stretch_s: float = 0.0  # how much longer the backward pass took for the collectives beside it (contention)
 
 
 def overlap(ready: Sequence[tuple[float, float]], backward_s: float, collective_s: Callable[[float], float],
             threshold_bytes: float, *, after_backward: bool = False, cycle_s: float = 0.0,
-            static: bool = False) -> Overlap:
+            static: bool = False, slowdown: float = 0.0) -> Overlap:
     """When the reduction of gradients ready at ``ready`` (time, bytes) ends, fused as Horovod fuses.
 
     At the first cycle tick (a multiple of ``cycle_s``; 0: at once) at which the link is free and a
@@ -320,7 +329,28 @@ def overlap(ready: Sequence[tuple[float, float]], backward_s: float, collective_
     instead (consecutive gradients up to ``threshold_bytes``, as hvrep's ``fusion_threshold_bytes`` and
     PyTorch DDP pack them), each ready with its last gradient and sent alone. ``after_backward`` makes every
     gradient ready at the end of the backward pass (no overlap).
+
+    ``slowdown`` (σ): while a collective runs, the backward pass computes at 1/(1 + σ) of its speed (the
+    collective's kernels and copies share the device). ``ready``'s times are then the backward pass's own
+    compute time; each gradient's wall-clock time follows the collectives placed before it, and the pass ends
+    ``stretch_s`` later than ``backward_s``. A collective starts no earlier than the link frees, so the spans
+    before a gradient are all known when its time is needed.
     """
+    spans: list[tuple[float, float]] = []  # the collectives so far, (start, end), in order, not overlapping
+
+    def wall(work: float) -> float:
+        """When the backward pass has computed ``work`` seconds of itself, given the collectives so far."""
+        clock = done = 0.0
+        for begin, end in spans if slowdown > 0 else ():
+            if done + (begin - clock) >= work:
+                break
+            done += begin - clock
+            inside = (end - begin) / (1.0 + slowdown)
+            if done + inside >= work:
+                return begin + (work - done) * (1.0 + slowdown)
+            done, clock = done + inside, end
+        return clock + (work - done)
+
     items = [(backward_s if after_backward else t, b) for t, b in ready]
     if static:
         buckets: list[tuple[float, float]] = []
@@ -332,16 +362,18 @@ def overlap(ready: Sequence[tuple[float, float]], backward_s: float, collective_
         items, threshold_bytes = buckets, 0.0
     free, busy, k, i = 0.0, 0.0, 0, 0
     while i < len(items):
-        start = max(free, items[i][0])
+        start = max(free, wall(items[i][0]))
         if cycle_s > 0:
             start = math.ceil(start / cycle_s - 1e-9) * cycle_s
         size, j = 0.0, i
-        while j < len(items) and items[j][0] <= start and (j == i or size + items[j][1] <= threshold_bytes):
+        while j < len(items) and wall(items[j][0]) <= start and (j == i or size + items[j][1] <= threshold_bytes):
             size += items[j][1]
             j += 1
         seconds = collective_s(size)
+        spans.append((start, start + seconds))
         free, busy, k, i = start + seconds, busy + seconds, k + 1, j
-    return Overlap(k, busy, free, max(0.0, free - backward_s))
+    end = wall(backward_s)
+    return Overlap(k, busy, free, max(0.0, free - end), end - backward_s)
 
 
 @dataclass(frozen=True)
@@ -391,6 +423,7 @@ class StepPrediction:
     efficiency: float  # images/s ÷ (devices × one device's images/s with no reduction)
     time_to_train_s: float | None = None
     codec_s: float = 0.0  # per step, in series with the compute (local SGD: averaged over H)
+    contention_s: float = 0.0  # the backward pass's stretch by the collectives beside it (overlap_slowdown)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -450,7 +483,7 @@ def _communicate(profile: Profile, scheme: Scheme, devices: int, devices_per_nod
         # "launch": the groups were negotiated when the kernels were launched, so no cycle tick delays them.
         comm = overlap(profile.ready(scale), profile.backward_s, one, threshold, after_backward=not overlap_backward,
                        cycle_s=0.0 if profile.bucketing == "launch" else profile.cycle_s,
-                       static=profile.bucketing != "dynamic")
+                       static=profile.bucketing != "dynamic", slowdown=profile.overlap_slowdown)
         per = 1.0
     elif scheme.compression == "powersgd":
         if profile.gradient_shapes is None:
@@ -470,7 +503,7 @@ def _communicate(profile: Profile, scheme: Scheme, devices: int, devices_per_nod
         comm = overlap(sync, profile.backward_s, one, threshold, after_backward=True)
         per = 1.0 / scheme.local_steps
     codec = 0.0 if devices == 1 else profile.codec_s.get(_codec_key(scheme), 0.0) * per
-    inner = profile.compute_s + codec + comm.exposed_s * per + comm.collectives * profile.beta_s * per
+    inner = profile.compute_s + codec + (comm.stretch_s + comm.exposed_s + comm.collectives * profile.beta_s) * per
     stall = 0.0
     if profile.input_images_per_sec is not None:
         need = devices_per_node * profile.per_replica_batch / profile.input_images_per_sec
@@ -494,7 +527,8 @@ def _prediction(profile: Profile, cluster: Cluster, scheme: Scheme, nodes: int, 
         steps = math.ceil(epochs * images / (devices * profile.per_replica_batch))
         ttt = steps * step
     return StepPrediction(scheme.name, nodes, devices, compute, exposed, negotiation, stall, busy,
-                          comm.collectives * per, step, ips, ips / (devices * single), ttt, codec)
+                          comm.collectives * per, step, ips, ips / (devices * single), ttt, codec,
+                          comm.stretch_s * per)
 
 
 def plan(profile: Profile, cluster: Cluster, schemes: Iterable[Scheme], nodes: Iterable[int], *,
@@ -513,12 +547,14 @@ def _hours(seconds: float | None) -> str:
 
 
 def format_table(rows: Sequence[StepPrediction]) -> str:
-    """A Markdown table: one row per (scheme, nodes)."""
-    lines = ["| scheme | nodes | devices | step ms | compute | codec | exposed comm | negotiation | input stall | "
-             "images/s | efficiency | time to train |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """A Markdown table: one row per (scheme, nodes); a "contention" column where the profile has σ."""
+    contended = any(r.contention_s > 0 for r in rows)
+    lines = ["| scheme | nodes | devices | step ms | compute | " + ("contention | " if contended else "") +
+             "codec | exposed comm | negotiation | input stall | images/s | efficiency | time to train |",
+             "|---|---:|---:|---:|---:|" + ("---:|" if contended else "") + "---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.scheme} | {r.nodes} | {r.devices} | {1e3 * r.step_s:.1f} | {1e3 * r.compute_s:.1f} | "
+        lines.append(f"| {r.scheme} | {r.nodes} | {r.devices} | {1e3 * r.step_s:.1f} | {1e3 * r.compute_s:.1f} | " +
+                     (f"{1e3 * r.contention_s:.1f} | " if contended else "") +
                      f"{1e3 * r.codec_s:.1f} | {1e3 * r.exposed_communication_s:.1f} | {1e3 * r.negotiation_s:.2f} | "
                      f"{1e3 * r.input_stall_s:.1f} | {r.images_per_sec:,.0f} | {100 * r.efficiency:.1f}% | "
                      f"{_hours(r.time_to_train_s)} |")

@@ -60,6 +60,14 @@ def test_the_band_holds_the_point_estimate_and_spans_the_input_ranges(bench):
     assert r["no_overlap"] < r["point"]  # reducing after the backward pass can only be slower
     for low, high in r["swings"].values():  # each input alone stays inside the band
         assert r["low"] - 1e-12 <= min(low, high) and max(low, high) <= r["high"] + 1e-12
+    # The collectives' contention for the GPU is an input: none (σ = 0) is the most efficient end of its range.
+    # Here the link is busy past the backward pass, which a slower pass hides behind: it moves the step little.
+    no_contention, most = r["swings"]["overlap_slowdown"]
+    assert no_contention >= r["point"] >= most and r["contention_s"] > 0
+    # 100 layers of 4 MB, the reduction hidden: the contention is what the step pays.
+    hidden = bench.evaluate(point, INPUTS["clusters"][point["cluster"]], INPUTS["shared"], [(4e6, 1.0)] * 100)
+    no_contention, most = hidden["swings"]["overlap_slowdown"]
+    assert no_contention > hidden["point"] > most and hidden["contention_s"] > 0
 
 
 def test_the_horovod_runs_fuse_at_launch_and_the_implied_bandwidth_meets_the_published_figure(bench):

@@ -110,6 +110,39 @@ def test_launch_groups_are_fixed_ahead_and_wait_for_no_cycle_tick():
         _profile(bucketing="eager")
 
 
+def test_a_collective_beside_the_backward_pass_slows_it_and_the_gradients_after_it():
+    # σ = 1: the backward pass computes at half speed while a collective runs. 0.5 s + 1 s/byte, fused as ready.
+    # [1] ready at 1: 1-2.5. Gradient 2 needs 1 more s of compute: 1-2.5 gives 0.75 of it, so it is ready at
+    # 2.75: [2] 2.75-4.25. Gradient 3: 0.25 before 2.75 and 0.75 inside: ready at 4.5: [3] 4.5-6. Gradient 4:
+    # the same: 6.25: [4] 6.25-7.75. The pass ends at 6.25 (2.25 s late), the last collective 1.5 s after it.
+    got = plan.overlap(_four_ready(), 4.0, lambda b: 0.5 + b, threshold_bytes=100, slowdown=1.0)
+    assert (got.collectives, got.busy_s, got.end_s, got.exposed_s, got.stretch_s) == (4, 6.0, 7.75, 1.5, 2.25)
+    # σ = 0 is the case above ([1] [2] [3,4], 2.5 s exposed); after the backward pass nothing runs beside it.
+    assert plan.overlap(_four_ready(), 4.0, lambda b: 0.5 + b, threshold_bytes=100).stretch_s == 0.0
+    after = plan.overlap(_four_ready(), 4.0, lambda b: 0.5 + b, threshold_bytes=100, after_backward=True,
+                         slowdown=1.0)
+    assert (after.end_s, after.exposed_s, after.stretch_s) == (8.5, 4.5, 0.0)
+
+
+def test_the_step_pays_the_contention_and_the_table_shows_it():
+    # One 8e9 B gradient ready at the end of a 2 s backward pass: nothing runs beside the pass, so σ costs
+    # nothing. Two gradients of 4e9 B at 1 and 2 s, 1 GB/s between 2 nodes: [1] 1-5 s; the second half of
+    # the pass runs beside it at 1/(1 + 0.5): ready at 2.5, [2] 5-9 s. Step: 3 + 0.5 contention + 6.5
+    # exposed + 2 x 0.1 negotiation.
+    cluster = _cluster(1, inter=(1.0, 0.0))
+    one = plan.predict(_profile(overlap_slowdown=0.5), cluster, plan.Scheme("fp32"), 2)
+    assert (one.contention_s, one.step_s) == (0.0, pytest.approx(11.1))
+    two = plan.predict(_profile(tensors=2, overlap_slowdown=0.5), cluster, plan.Scheme("fp32"), 2)
+    assert (two.contention_s, two.exposed_communication_s) == (pytest.approx(0.5), pytest.approx(6.5))
+    assert two.step_s == pytest.approx(3 + 0.5 + 6.5 + 0.2)
+    assert two.efficiency == pytest.approx(3 / 10.2)  # against one device's step, which has no collective
+    assert "| contention |" in plan.format_table([two]) and "| contention |" not in plan.format_table([one])
+    assert plan.Profile.from_dict({"per_replica_batch": 1, "forward_s": 1, "backward_s": 1, "grad_bytes": 1,
+                                   "tensors": 1, "overlap_slowdown": 0.25}).overlap_slowdown == 0.25
+    with pytest.raises(ConfigError, match="overlap_slowdown"):
+        _profile(overlap_slowdown=-0.1)
+
+
 def test_the_profiles_layers_set_when_each_gradient_is_ready():
     p = _profile(layers=((3.0, 1.0), (5.0, 3.0)), grad_bytes=8.0, tensors=2)  # rescaled to backward_s = 2
     assert p.ready() == [(0.5, 3.0), (2.0, 5.0)]
