@@ -597,12 +597,14 @@ class HorovodBackend(Backend):
             return self._reduce(value, op, hop)
 
     def _reduce(self, value: Any, op: str, hop: Any) -> Any:
-        # What travels: bfloat16 as float32 (Horovod reduces no bfloat16), cast back after the reduction.
-        wires = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
-                 for t in (tf.convert_to_tensor(v) for v in tf.nest.flatten(value) if v is not None)]
-        small = (all(w.dtype in _GATHERED_DTYPES for w in wires) and self.num_replicas * sum(
-            w.shape.num_elements() * w.dtype.size for w in wires) <= GATHERED_REDUCE_BYTES)
-        arrays = [np.asarray(w.numpy()) for w in wires] if small else []
+        # What travels: bfloat16 as float32 (Horovod reduces no bfloat16), cast back after the reduction. Each
+        # leaf is converted once; a large reduce casts nothing here (reduce_bf16_as_f32 does, leaf by leaf).
+        flat = [None if v is None else tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+        leaves = [t for t in flat if t is not None]
+        wire = [tf.float32 if t.dtype == tf.bfloat16 else t.dtype for t in leaves]
+        small = (all(d in _GATHERED_DTYPES for d in wire) and self.num_replicas * sum(
+            t.shape.num_elements() * d.size for t, d in zip(leaves, wire, strict=True)) <= GATHERED_REDUCE_BYTES)
+        arrays = [np.asarray(tf.cast(t, d).numpy()) for t, d in zip(leaves, wire, strict=True)] if small else []
         gathered = self._check_same_call(f"reduce({op})", value, b"".join(a.tobytes() for a in arrays) if small
                                          else None)
         if gathered is not None:
@@ -612,10 +614,8 @@ class HorovodBackend(Backend):
         else:
             collective = lambda w: self.hvd.allreduce(w, op=hop, name=self._name("reduce"))  # noqa: E731
 
-        def one(v: Any) -> Any:
-            return reduce_bf16_as_f32(tf.convert_to_tensor(v), op, self.num_replicas, collective).numpy()
-
-        return tf.nest.map_structure(lambda v: None if v is None else one(v), value)
+        return tf.nest.pack_sequence_as(value, [
+            None if t is None else reduce_bf16_as_f32(t, op, self.num_replicas, collective).numpy() for t in flat])
 
     def _check_same_call(self, what: str, value: Any, payload: bytes | None = None) -> list[bytes] | None:
         """Refuses an eager collective that is not the same call on every rank; returns every rank's ``payload``.
