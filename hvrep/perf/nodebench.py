@@ -15,6 +15,9 @@ seconds past TensorFlow's start, for tests):
   float16, what the library's reduction arithmetic costs (Gloo sums float16 in software on a CPU);
 * the model's step per replica at the given batch, every rank at once (the node's contention): forward
   alone, forward + backward, the whole step without the gradient reduction, and with it;
+* contention (the plan's ``overlap_slowdown`` σ): forward + backward timed alone and beside an all-reduce of
+  the model's gradient bytes running in another thread on every rank (what a collective beside the backward
+  pass takes from the device); σ = beside / alone − 1, the ranks' mean, at least 0;
 * the codec of each scheme on the model's gradients, every rank at once: hvrep's packing and unpacking of the
   buckets (fp32), the same with fp16's casts, and PowerSGD's factors, orthogonalisation and error feedback at
   each rank of ``powersgd_ranks``, with the collectives left out (what a step pays around them);
@@ -144,6 +147,83 @@ def codec_functions(variables: Sequence[Any], grads: Sequence[Any], num_replicas
         state = PowerSGDState(variables, CommConfig(compression="powersgd", powersgd_rank=r), num_replicas)
         out[f"powersgd:{r}"] = tf.function(lambda state=state: state.reduce(list(grads), "mean", local))
     return out
+
+
+def grad_bytes_of(variables: Sequence[Any]) -> int:
+    """The float32 gradients' bytes of these variables."""
+    return 4 * sum(math.prod(int(d) for d in v.shape) for v in variables)
+
+
+def _contention(repl: Any, n: int, compute: Callable[..., Any], args: tuple, nbytes: int, steps: int,
+                sync: Callable[[Any], Any], barrier: Callable[[], None], reduce_sum: Callable[[Any], Any],
+                deadline_s: float = 30.0) -> dict[str, Any]:
+    """σ: ``compute`` (forward + backward, no collective) timed alone, then beside all-reduces of ``nbytes`` that
+    a thread of every rank runs meanwhile, then alone again; beside / alone − 1, the mean over the ranks, at
+    least 0. The threads go on until every rank has timed ``steps`` passes beside them (or ``deadline_s`` has
+    passed): after each all-reduce they sum one flag, so every rank stops after the same one. Horovod ranks
+    only: an in-graph backend's replicas are one process's threads."""
+    import threading
+
+    import tensorflow as tf
+
+    if repl.backend != "horovod" or n < 2:
+        return {"overlap_slowdown": None, "why": "needs 2 or more Horovod ranks (one collective to run beside)"}
+    for _ in range(2):
+        sync(compute(*args))
+    big = tf.fill([max(nbytes // 4, 1)], tf.constant(1.0))
+    one = lambda: sync(repl.run(reduce_sum, args=(big,)))  # noqa: E731
+    one()
+
+    def alone() -> list[float]:
+        barrier()
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            sync(compute(*args))
+            out.append(time.perf_counter() - t0)
+        return out
+
+    before = alone()
+    enough = threading.Event()
+    failure: list[BaseException] = []
+    count: list[int] = []
+
+    def collectives() -> None:
+        try:
+            k, more = 0, 1.0
+            while more > 0:
+                one()
+                k += 1
+                more = float(sync(repl.run(reduce_sum, args=(tf.constant([0.0 if enough.is_set() else 1.0]),)))[0])
+            count.append(k)
+        except BaseException as e:  # re-raised on the main thread
+            failure.append(e)
+
+    barrier()
+    worker = threading.Thread(target=collectives, name="hvrep-bench-contention", daemon=True)
+    start = time.perf_counter()
+    worker.start()
+    beside: list[float] = []
+    while worker.is_alive():
+        t0 = time.perf_counter()
+        sync(compute(*args))
+        if worker.is_alive():  # a pass that ended after the collectives did was partly alone: not counted
+            beside.append(time.perf_counter() - t0)
+        if len(beside) >= steps or time.perf_counter() - start > deadline_s:
+            enough.set()
+    worker.join()
+    if failure:
+        raise failure[0]
+    after = alone()
+    base = statistics.median(before + after)
+    mine = statistics.median(beside) / base - 1.0 if beside else None
+    counted = float(sync(repl.run(reduce_sum, args=(tf.constant([0.0 if mine is None else 1.0]),)))[0])
+    total = float(sync(repl.run(reduce_sum, args=(tf.constant([mine or 0.0]),)))[0])
+    sigma = max(0.0, total / counted) if counted == n else None
+    return {"overlap_slowdown": sigma, "alone_s": base, "beside_s": statistics.median(beside) if beside else None,
+            "passes_beside": len(beside), "collectives": count[0], "collective_bytes": int(big.shape[0]) * 4,
+            "seconds": time.perf_counter() - start,
+            "why": None if sigma is not None else "a rank timed no pass while the collectives ran"}
 
 
 def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, image_size: int = 32,
@@ -281,6 +361,10 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             times[name].append(time.perf_counter() - t0)
     timed = {name: statistics.median(ts) for name, ts in times.items()}
 
+    # --- contention: forward + backward beside a collective ---
+    contention = _contention(repl, n, tf.function(loss_and_grads), (x, y), grad_bytes_of(variables), steps,
+                             sync, barrier, reduce_sum, deadline_s=10.0 if quick else 30.0)
+
     # --- the codec of each scheme, on this model's gradients, every rank at once ---
     grads = [tf.convert_to_tensor(g) for g in forward_backward(x, y)[1]]  # eager, this rank's own
     codecs = codec_functions(variables, grads, n, repl._backend.fusion_threshold_bytes, powersgd_ranks)
@@ -355,6 +439,7 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
                       "nccl": "built to Horovod's API, never run by hvrep's tests" if backend == "nccl" else None},
         "allreduce_float16": {"points": points16, "fit": link16, "result_checked": checked16,
                               "gamma_s_per_byte": gamma16},
+        "contention": contention,
         "codec_s": codec, "codec_spread_s": {name: [min(ts), max(ts)] for name, ts in codec_times.items()},
         "model": {"name": model_name, "width": width, "per_replica_batch": per_replica_batch, "image_size": image_size,
                   "grad_bytes": grad_bytes, "tensors": len(shapes), "steps_timed": steps},
@@ -377,6 +462,7 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
             "input_images_per_sec": node_ips if data_dir else None,
             "gamma_s_per_byte": {} if gamma16 is None else {"float16": gamma16},
             "codec_s": codec,
+            "overlap_slowdown": contention["overlap_slowdown"] or 0.0,
             "source": f"hvrep bench node, {n} rank(s) via {placement.launcher} on {platform.node()}",
         },
         "intra_node_link": None if link is None else {
@@ -408,6 +494,12 @@ def format_profile(p: dict[str, Any]) -> str:
     lines.append(f"  {m['name']} batch {m['per_replica_batch']}: forward {1e3 * s['forward_s']:.1f} ms, forward+"
                  f"backward {1e3 * s['forward_backward_s']:.1f} ms, step without reduction "
                  f"{1e3 * s['step_no_reduce_s']:.1f} ms, with it {1e3 * s['step_with_reduce_s']:.1f} ms")
+    c = p.get("contention") or {}
+    if c.get("overlap_slowdown") is not None:
+        lines.append(f"  contention: forward+backward {1e3 * c['alone_s']:.1f} ms alone, {1e3 * c['beside_s']:.1f} ms "
+                     f"beside an all-reduce of {c['collective_bytes']:,} B: σ {c['overlap_slowdown']:.2f}")
+    elif c:
+        lines.append(f"  contention: - ({c.get('why')})")
     lines.append(f"  input: {p['input']['images_per_sec_node']:,.0f} images/s on the node ({p['input']['source']})")
     copy = p["host_device_copy"]
     lines.append(f"  host to device: {'-' if copy['GBps'] is None else format(copy['GBps'], '.2f') + ' GB/s'} "

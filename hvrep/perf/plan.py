@@ -114,7 +114,7 @@ class Profile:
         factors and error feedback); local SGD pays "fp32"'s on its synchronising steps; absent: 0.
       overlap_slowdown: σ, how much slower the backward pass computes while a collective runs beside it
         (the collective's kernels, copies or CPU threads share the device): 0.2 means 1.2 times as long. 0
-        (the default) is a device the collectives do not touch; ``hvrep bench node`` does not measure it.
+        (the default) is a device the collectives do not touch; ``hvrep bench node`` measures it.
       source: where the figures came from (measured, or the publications).
     """
 

@@ -58,6 +58,11 @@ def test_the_profile_holds_the_all_reduce_between_the_nodes_ranks(profiles, laun
     # the codec of every scheme the plan prices, timed on the model's gradients
     assert set(p["plan_inputs"]["codec_s"]) == {"fp32", "fp16", "powersgd:1", "powersgd:2", "powersgd:4"}
     assert all(v > 0 for v in p["plan_inputs"]["codec_s"].values()), p["plan_inputs"]["codec_s"]
+    # contention: forward + backward beside the same all-reduces on every rank, σ in the plan's inputs
+    c = p["contention"]
+    assert c["passes_beside"] >= 1 and c["collectives"] >= 1 and c["collective_bytes"] == p["model"]["grad_bytes"], c
+    assert c["alone_s"] > 0 and c["beside_s"] > 0, c
+    assert p["plan_inputs"]["overlap_slowdown"] == c["overlap_slowdown"] >= 0, c
     step = p["step"]
     assert all(step[k] > 0 for k in ("forward_s", "forward_backward_s", "step_no_reduce_s", "step_with_reduce_s"))
     assert p["host_device_copy"]["GBps"] is None  # no GPU here, said so
