@@ -1,13 +1,14 @@
 """``hvrep train`` whose training step kills its own process with SIGSEGV (a stand-in for a native crash).
 
 Usage: python segv_in_step.py RANK STEP hvrep-train-args...: the rank RANK (of mpirun or horovodrun; 0 alone)
-sends itself SIGSEGV while it executes its STEP-th training step (counted from 1), from inside the compiled
+sends the thread running its STEP-th training step SIGSEGV (counted from 1), from inside the compiled
 step (a ``tf.py_function`` the step runs before its forward pass).
 """
 
 import os
 import signal
 import sys
+import threading
 
 import tensorflow as tf
 
@@ -23,7 +24,10 @@ def _tick() -> int:
     global executed
     executed += 1
     if rank == die_rank and executed == die_step:
-        os.kill(os.getpid(), signal.SIGSEGV)
+        # To this thread, as a native crash is delivered to the thread that faults. os.kill's signal goes to any
+        # thread of the process, and one interrupted in the middle of building a Python frame can cut
+        # faulthandler's dump short before it reaches this stack (CI, 2026-11-29: "File ???", then nothing).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSEGV)
     return executed
 
 
