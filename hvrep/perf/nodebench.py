@@ -149,11 +149,6 @@ def codec_functions(variables: Sequence[Any], grads: Sequence[Any], num_replicas
     return out
 
 
-def grad_bytes_of(variables: Sequence[Any]) -> int:
-    """The float32 gradients' bytes of these variables."""
-    return 4 * sum(math.prod(int(d) for d in v.shape) for v in variables)
-
-
 def _contention(repl: Any, n: int, compute: Callable[..., Any], args: tuple, nbytes: int, steps: int,
                 sync: Callable[[Any], Any], barrier: Callable[[], None], reduce_sum: Callable[[Any], Any],
                 deadline_s: float = 30.0) -> dict[str, Any]:
@@ -322,6 +317,8 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
     y = tf.constant(rng.integers(0, num_classes, size=(per_replica_batch,)).astype("int32"))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
+    shapes = [tuple(int(d) for d in v.shape) for v in variables]
+    grad_bytes = 4 * sum(math.prod(s) for s in shapes)
 
     def forward(xb, yb):
         return loss_fn(yb, model(xb, training=True))
@@ -362,7 +359,7 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
     timed = {name: statistics.median(ts) for name, ts in times.items()}
 
     # --- contention: forward + backward beside a collective ---
-    contention = _contention(repl, n, tf.function(loss_and_grads), (x, y), grad_bytes_of(variables), steps,
+    contention = _contention(repl, n, tf.function(loss_and_grads), (x, y), grad_bytes, steps,
                              sync, barrier, reduce_sum, deadline_s=10.0 if quick else 30.0)
 
     # --- the codec of each scheme, on this model's gradients, every rank at once ---
@@ -425,8 +422,6 @@ def node_profile(model_name: str = "small_resnet", per_replica_batch: int = 32, 
 
     # Horovod's cycle (1 ms unless HOROVOD_CYCLE_TIME says otherwise); no cycle on the in-graph backends.
     cycle_ms = float(_env.horovod_knobs()[_env.HOROVOD_CYCLE_TIME] or 1.0) if repl.backend == "horovod" else 0.0
-    shapes = [tuple(int(d) for d in v.shape) for v in variables]
-    grad_bytes = 4 * sum(math.prod(s) for s in shapes)
     profile: dict[str, Any] = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
