@@ -463,9 +463,8 @@ def relink_mpi(horovod_dir: Path, prefix: Path | None = None) -> list[Path]:
         mine = "$ORIGIN/" + os.path.relpath(lib, so.parent)
         entries = []
         for entry in value.split(":"):
-            other = entry.startswith("/") and Path(entry) != lib and (
-                not Path(entry).exists() or (Path(entry) / "libmpi.so.40").exists())
-            entries.append(mine if other or Path(entry) == lib else entry)
+            mpi = entry.startswith("/") and (not Path(entry).exists() or (Path(entry) / "libmpi.so.40").exists())
+            entries.append(mine if mpi else entry)  # another environment's MPI, or this one's by absolute path
         new = ":".join(dict.fromkeys(entries))
         if new == value:
             continue

@@ -212,8 +212,8 @@ def _contention(repl: Any, n: int, compute: Callable[..., Any], args: tuple, nby
     after = alone()
     base = statistics.median(before + after)
     mine = statistics.median(beside) / base - 1.0 if beside else None
-    counted = float(sync(repl.run(reduce_sum, args=(tf.constant([0.0 if mine is None else 1.0]),)))[0])
-    total = float(sync(repl.run(reduce_sum, args=(tf.constant([mine or 0.0]),)))[0])
+    counted, total = (float(x) for x in sync(repl.run(
+        reduce_sum, args=(tf.constant([0.0 if mine is None else 1.0, mine or 0.0]),))))
     sigma = max(0.0, total / counted) if counted == n else None
     return {"overlap_slowdown": sigma, "alone_s": base, "beside_s": statistics.median(beside) if beside else None,
             "passes_beside": len(beside), "collectives": count[0], "collective_bytes": int(big.shape[0]) * 4,
