@@ -73,6 +73,7 @@ class _EpochLoop:
     t0: float = dataclasses.field(default_factory=time.perf_counter)
     steps_done: int = 0
     in_loop: int = 0  # steps since the last host round-trip
+    input_wait: float = 0.0  # seconds the epoch waited for its first batch (in its time, so in its images/s)
     loss_sum: float = 0.0
     correct_sum: int = 0
     segments: list[Segment] = dataclasses.field(default_factory=list)
@@ -277,6 +278,7 @@ class Controller:
                 with data_errors(epoch_cfg, "train"):
                     # Waiting here, if the pipeline is not ready yet, counts in the epoch's time.
                     started = pending.result() if pending is not None else self._batches(train_input)
+                    lp.input_wait = time.perf_counter() - lp.t0
                     for x, y in self._chained(started):
                         # The outputs are not read here: the next step is dispatched without waiting on the host.
                         watchdog.note_step(f"train step {lp.step + 1}")  # what a timeout report names
@@ -299,6 +301,7 @@ class Controller:
                 del finished
                 segments = lp.segments
                 loss_sum, correct_sum, steps_done, bar, t0 = lp.loss_sum, lp.correct_sum, lp.steps_done, lp.bar, lp.t0
+                input_wait = lp.input_wait
                 bar.close()
                 elapsed = time.perf_counter() - t0
                 if steps_done:
@@ -316,7 +319,7 @@ class Controller:
                 line: dict[str, Any] = {"epoch": epoch}
                 if steps_done:
                     line.update(loss=loss_sum / steps_done, images_per_sec=images_per_sec[-1],
-                                train_top1=correct_sum / (steps_done * gb))
+                                train_top1=correct_sum / (steps_done * gb), input_wait_sec=input_wait)
                 if epoch % cfg.train.eval_every == 0 or epoch == epochs:
                     watchdog.note_step(f"evaluation after epoch {epoch}")
                     self.metrics.mark("eval_start", epoch=epoch)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import tensorflow as tf
@@ -132,3 +133,25 @@ def test_an_input_error_of_a_later_epoch_is_raised_where_that_epoch_starts(demo_
     assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1]
     assert "top1" in next(e for e in events if e["event"] == "epoch")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("ckpt-"))
+
+
+def test_each_epoch_records_how_long_it_waited_for_its_first_batch(demo_data, tmp_path, monkeypatch):
+    # The wait is part of the epoch's time (its images/s), and at scale, where an epoch is a few dozen steps,
+    # it is what a short epoch loses at its start: the epoch event says how long it was. The second epoch's
+    # pipeline takes 1 s longer to build; with no evaluation between epochs nothing hides it.
+    cfg = _demo_cfg(demo_data, tmp_path / "run", **{"train.eval_every": "1000"})
+    real_dataset = hvrep.data.tfdata_dataset
+
+    def dataset(config, split, *args, **kwargs):
+        if split == "train" and config.seed == cfg.data.seed + cfg.train.seed * 1000 + 1:
+            time.sleep(1.0)
+        return real_dataset(config, split, *args, **kwargs)
+
+    monkeypatch.setattr(hvrep.data, "tfdata_dataset", dataset)
+    assert run(cfg)["stopped"] == "completed"
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    waits = {e["epoch"]: e["input_wait_sec"] for e in events if e["event"] == "epoch"}
+    assert sorted(waits) == [1, 2, 3]
+    # The sleep overlaps only the first epoch's end (a metric line and a checkpoint) on the main thread.
+    assert waits[2] >= 0.5, waits
+    assert waits[3] < waits[2] - 0.5 and waits[1] < waits[2] - 0.5, waits
