@@ -27,6 +27,7 @@ _LAZY = {
     "EpochPlan": "hvrep.data.plan", "EpochPosition": "hvrep.data.plan", "Segment": "hvrep.data.plan",
     "synthetic_dataset": "hvrep.data.tfdata",
     "tfdata_dataset": "hvrep.data.tfdata", "tfdata_plan": "hvrep.data.tfdata",
+    "tfdata_epochs": "hvrep.data.tfdata", "tfdata_epochs_apply": "hvrep.data.tfdata",
 }
 
 
@@ -106,4 +107,5 @@ def data_errors(config: DataConfig, split: str):
     return tfdata_errors(config, split)
 
 __all__ = ["PAD_LABEL", "DataConfig", "EpochPlan", "EpochPosition", "Segment", "data_errors", "epoch_plan",
-           "make_dataset", "num_examples", "prepare", "synthetic_dataset", "tfdata_dataset", "write_demo"]
+           "make_dataset", "num_examples", "prepare", "synthetic_dataset", "tfdata_dataset", "tfdata_epochs",
+           "tfdata_epochs_apply", "write_demo"]

@@ -237,9 +237,21 @@ def bad_jpegs(config: DataConfig, split: str) -> list[str]:
 def _planned_files(listing: FolderListing, share: ReplicaShare) -> tuple[tf.data.Dataset, _Load]:
     """(file name, label, id) of the share's files, in order, and the function that reads one; no other file
     is opened."""
+    return _files_source(*_file_arrays(listing, share))
+
+
+# The dtypes of _file_arrays' arrays (for tf.numpy_function).
+_FILE_ARRAYS = (tf.string, tf.int32, tf.int64)
+
+
+def _file_arrays(listing: FolderListing, share: ReplicaShare) -> tuple[np.ndarray, ...]:
+    """The share's (file names, labels, ids), in order."""
     files = np.asarray(listing.files, dtype=object)[share.ids].astype(bytes)
-    labels = np.asarray(listing.labels, np.int32)[share.ids]
-    ds = tf.data.Dataset.from_tensor_slices((files, labels, share.ids))
+    return files, np.asarray(listing.labels, np.int32)[share.ids], share.ids.astype(np.int64)
+
+
+def _files_source(files: Any, labels: Any, ids: Any) -> tuple[tf.data.Dataset, _Load]:
+    ds = tf.data.Dataset.from_tensor_slices((files, labels, ids))
     return ds, lambda f, y, i: (tf.io.read_file(f), y, f, i)
 
 
@@ -265,6 +277,17 @@ def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare
             "writes (delete the unindexed shards first).", len(missing), len(listing.shards), missing[0],
             missing[0].rsplit("/", 1)[-1])
         return _whole_group_records(listing, plan, share, label_offset)
+    return _records_source(*_record_arrays(listing, plan, share), label_offset=label_offset)
+
+
+# The dtypes of _record_arrays' arrays (for tf.numpy_function).
+_RECORD_ARRAYS = (tf.string, tf.int64, tf.int64, tf.int64, tf.int64, tf.int64, tf.int64)
+
+
+def _record_arrays(listing: ShardListing, plan: EpochPlan, share: ReplicaShare) -> tuple[np.ndarray, ...]:
+    """The share's loads, one per group of shards, as flat arrays and row lengths: (the groups' shard paths,
+    how many paths each group has, then per record: its shard among the group's, byte offset, size, id, and
+    how many records each group has). Every shard listed has an index."""
     block = plan.block_of(share.ids)
     local = share.ids - plan.starts[block]  # each id's record number in its shard
     cuts = np.flatnonzero(np.diff(share.groups)) + 1
@@ -283,12 +306,30 @@ def _planned_records(listing: ShardListing, plan: EpochPlan, share: ReplicaShare
         which.append(where.astype(np.int64))
         offsets.append(at[:, 0])
         sizes.append(at[:, 1])
+    ids = np.split(share.ids.astype(np.int64), cuts)
 
-    def ragged(parts: list[np.ndarray]) -> tf.RaggedTensor:
-        return tf.RaggedTensor.from_row_lengths(np.concatenate(parts), [len(p) for p in parts])
+    def lengths(parts: list[np.ndarray]) -> np.ndarray:
+        return np.asarray([len(p) for p in parts], np.int64)
 
-    loads = tf.data.Dataset.from_tensor_slices((ragged(paths), ragged(which), ragged(offsets), ragged(sizes),
-                                                ragged(np.split(share.ids, cuts))))
+    def flat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros([0], dtype)
+
+    return (flat(paths, object).astype(bytes), lengths(paths), flat(which, np.int64),
+            flat(offsets, np.int64).astype(np.int64), flat(sizes, np.int64).astype(np.int64),
+            flat(ids, np.int64), lengths(ids))
+
+
+def _records_source(paths: Any, path_lengths: Any, which: Any, offsets: Any, sizes: Any, ids: Any,
+                    record_lengths: Any, *, label_offset: int) -> tuple[tf.data.Dataset, _Load]:
+    """:func:`_record_arrays`' loads as a dataset of (serialized record, id), and the function that parses one;
+    the arrays may be numpy arrays or tensors (one pipeline for every epoch computes them as it goes)."""
+
+    def ragged(values: Any, row_lengths: Any) -> tf.RaggedTensor:
+        return tf.RaggedTensor.from_row_lengths(values, row_lengths)
+
+    loads = tf.data.Dataset.from_tensor_slices((ragged(paths, path_lengths), ragged(which, record_lengths),
+                                                ragged(offsets, record_lengths), ragged(sizes, record_lengths),
+                                                ragged(ids, record_lengths)))
 
     def read(paths: np.ndarray, which: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         return read_records([p.decode() for p in paths], which, offsets, sizes)
@@ -371,20 +412,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
     r, n_rep = ctx.replica_id, ctx.num_replicas
     skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_skipped")
     raise_on_bad = config.on_error == "raise"
-
-    def checked(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        if raise_on_bad:
-            with tf.control_dependencies([tf.debugging.Assert(
-                    _jpeg_ok(data), [_BAD_JPEG, name], summarize=1)]):
-                data = tf.identity(data)
-        return (data, label, name, *rest)
-
-    def keep(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tf.Tensor:
-        ok = _jpeg_ok(data)
-        # Counted when the element is dropped; tf.data runs this eagerly-captured variable's op.
-        with tf.control_dependencies([skipped.assign_add(tf.cast(tf.logical_not(ok), tf.int64))]):
-            return tf.identity(ok)
-
+    checked, _ = _bad_jpeg_checks(raise_on_bad, skipped)
     size = config.image_size
     if training:
         listing = _listing(config, split)
@@ -400,31 +428,7 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
             ds, load = _planned_files(listing, share)
         else:
             ds, load = _planned_records(listing, plan, share, config.label_offset)
-
-        def augment(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor, i: tf.Tensor) -> tuple[tf.Tensor, ...]:
-            # Seeded by the sample: the same crop whatever the world size or the resume point.
-            image = _train_image(data, tf.stack([tf.constant(config.seed, tf.int64), i]), config)
-            return _finish(image, config), label
-
-        if raise_on_bad:
-            # One map does everything for a sample (read or parse, check, crop, decode, resize, flip,
-            # normalise): a map stage of its own for the read cost 859 vs 815 us of CPU per image
-            # (benchmarks/input_pipeline.py, variant "read in a map of its own" vs stage 7).
-            ds = ds.take(share.steps * b)
-
-            def train_map(*element: tf.Tensor) -> tuple[tf.Tensor, ...]:
-                return augment(*checked(*load(*element)))
-        else:
-            # A skipped bad file is replaced by one from the start of this replica's share (read
-            # again), so every replica still yields exactly `steps` batches.
-            ds = ds.map(_as_written(load), num_parallel_calls=AUTOTUNE, deterministic=True)
-            ds = ds.filter(_as_written(keep)).repeat()
-            ds = ds.take(share.steps * b)
-            train_map = augment
-
-        # Deterministic order (still parallel): a resumed run must see the same batches.
-        ds = ds.map(_as_written(train_map), num_parallel_calls=AUTOTUNE, deterministic=True)
-        ds = ds.batch(b, drop_remainder=True)
+        ds = _train_batches(ds, load, tf.constant(config.seed, tf.int64), share.steps, b, config, skipped)
     else:
         shards = list_shards(config.data_dir, split, require_index=False) if config.format == "tfrecord" else None
         source, n = _source(config, split, shards)
@@ -448,6 +452,123 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
                                             tf.constant(PAD_LABEL, tf.int32)))
         ds = ds.concatenate(pad.repeat(padded - mine)).batch(b, drop_remainder=True)
     return _finished(ds, skipped, threads)
+
+
+def tfdata_epochs_apply(config: DataConfig) -> bool:
+    """Whether :func:`tfdata_epochs` serves ``config``'s training split (not: TFRecord shards without an index)."""
+    listing = _listing(config, "train")
+    return not isinstance(listing, ShardListing) or all(listing.indexes)
+
+
+def tfdata_epochs(config_of: Callable[[int], DataConfig], first: int, stop: int, ctx: InputContext | None = None,
+                  per_replica_batch_size: int | None = None, position: EpochPosition | None = None,
+                  threads: int | None = None) -> tf.data.Dataset | None:
+    """One replica's training batches of epochs ``first`` to ``stop - 1``, one after the other, as one dataset.
+
+    Epoch e holds exactly the batches of ``tfdata_dataset(config_of(e), "train", ctx, position=..., threads=...)``
+    (``position`` for epoch ``first``, the start for the others), bit for bit. What differs is the cost of an
+    epoch's start: that builds a pipeline per epoch (its graph, its functions traced, its iterator: 66 ms on a
+    core for the demo, ``benchmarks/epoch_start.py``), after the previous epoch's last step; this is built and
+    started once, each epoch's plan is computed on tf.data's thread as its turn comes, and the prefetch runs on
+    into the next epoch while this one ends, is evaluated and saved.
+
+    ``config_of(e)`` must differ between epochs only in ``seed``. Returns None where this does not apply:
+    TFRecord shards without an index (each epoch is then built on its own).
+
+    Raises:
+      ConfigError: the split cannot fill one batch on every replica (checked here, before anything runs).
+    """
+    ctx, b = replica_batch(ctx, per_replica_batch_size)
+    r, n_rep = ctx.replica_id, ctx.num_replicas
+    config = config_of(first)
+    listing = _listing(config, "train")
+    if isinstance(listing, ShardListing) and not all(listing.indexes):
+        return None
+    position = position or EpochPosition()
+    plan = plan_for(config, listing)
+    share = plan.share(r, n_rep, b, position)
+    if position.is_start and share.steps == 0:
+        raise ConfigError(f"{plan.num_samples} train images cannot fill one global batch of {n_rep} x {b}.")
+    skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvrep_skipped")
+    folders = isinstance(listing, FolderListing)
+    dtypes = [*(_FILE_ARRAYS if folders else _RECORD_ARRAYS), tf.int64, tf.int64]
+
+    def arrays(epoch: np.int64) -> list[np.ndarray]:
+        # An epoch's share (the first's from `position`), then its seed and steps.
+        e = int(epoch)
+        epoch_config = config_of(e)
+        epoch_plan = plan if e == first else plan_for(epoch_config, listing)
+        epoch_share = share if e == first else epoch_plan.share(r, n_rep, b)
+        made = (_file_arrays(listing, epoch_share) if folders
+                else _record_arrays(listing, epoch_plan, epoch_share))
+        return [*made, np.int64(epoch_config.seed), np.int64(epoch_share.steps)]
+
+    def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
+        *made, seed, steps = tf.numpy_function(arrays, [epoch], dtypes)
+        made = [tf.ensure_shape(a, [None]) for a in made]
+        seed, steps = tf.ensure_shape(seed, []), tf.ensure_shape(steps, [])
+        if folders:
+            ds, load = _files_source(*made)
+        else:
+            ds, load = _records_source(*made, label_offset=config.label_offset)
+        return _train_batches(ds, load, seed, steps, b, config, skipped)
+
+    first_steps = share.steps  # an epoch resumed at its end has none: it is left out
+    ds = tf.data.Dataset.range(first if first_steps else first + 1, stop)
+    return _finished(ds.flat_map(_as_written(epoch_batches)), skipped, threads)
+
+
+def _bad_jpeg_checks(raise_on_bad: bool, skipped: tf.Variable) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(checked, keep): the element with an assertion that its JPEG is whole (``on_error="raise"``), and the
+    filter that drops one that is not, counting it in ``skipped`` (``"skip"``)."""
+
+    def checked(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        if raise_on_bad:
+            with tf.control_dependencies([tf.debugging.Assert(
+                    _jpeg_ok(data), [_BAD_JPEG, name], summarize=1)]):
+                data = tf.identity(data)
+        return (data, label, name, *rest)
+
+    def keep(data: tf.Tensor, label: tf.Tensor, name: tf.Tensor, *rest: tf.Tensor) -> tf.Tensor:
+        ok = _jpeg_ok(data)
+        # Counted when the element is dropped; tf.data runs this eagerly-captured variable's op.
+        with tf.control_dependencies([skipped.assign_add(tf.cast(tf.logical_not(ok), tf.int64))]):
+            return tf.identity(ok)
+
+    return checked, keep
+
+
+def _train_batches(ds: tf.data.Dataset, load: _Load, seed: tf.Tensor, steps: Any, b: int, config: DataConfig,
+                   skipped: tf.Variable) -> tf.data.Dataset:
+    """A training source's ``steps`` batches of ``b``: each sample read, checked, augmented (seeded by ``seed``,
+    the epoch's, and its id) and finished, in order."""
+    raise_on_bad = config.on_error == "raise"
+    checked, keep = _bad_jpeg_checks(raise_on_bad, skipped)
+
+    def augment(data: tf.Tensor, label: tf.Tensor, _name: tf.Tensor, i: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        # Seeded by the sample: the same crop whatever the world size or the resume point.
+        image = _train_image(data, tf.stack([seed, i]), config)
+        return _finish(image, config), label
+
+    if raise_on_bad:
+        # One map does everything for a sample (read or parse, check, crop, decode, resize, flip,
+        # normalise): a map stage of its own for the read cost 859 vs 815 us of CPU per image
+        # (benchmarks/input_pipeline.py, variant "read in a map of its own" vs stage 7).
+        ds = ds.take(steps * b)
+
+        def train_map(*element: tf.Tensor) -> tuple[tf.Tensor, ...]:
+            return augment(*checked(*load(*element)))
+    else:
+        # A skipped bad file is replaced by one from the start of this replica's share (read
+        # again), so every replica still yields exactly `steps` batches.
+        ds = ds.map(_as_written(load), num_parallel_calls=AUTOTUNE, deterministic=True)
+        ds = ds.filter(_as_written(keep)).repeat()
+        ds = ds.take(steps * b)
+        train_map = augment
+
+    # Deterministic order (still parallel): a resumed run must see the same batches.
+    ds = ds.map(_as_written(train_map), num_parallel_calls=AUTOTUNE, deterministic=True)
+    return ds.batch(b, drop_remainder=True)
 
 
 def _finished(ds: tf.data.Dataset, skipped: tf.Variable, threads: int | None) -> tf.data.Dataset:

@@ -12,13 +12,17 @@ at the same size and batch continues the interrupted batches exactly; at
 another size or batch it goes on with the samples the epoch has not trained
 on yet, with the new batch, and says so.
 
-The next epoch's input starts while this one is evaluated and saved: its
-dataset is built and its first batch read on a background thread as soon as
-the epoch's last step has run, so no epoch begins by waiting for its
-pipeline to start (``make demo``: ~70 ms of Python to build the pipeline and
-~75 ms to its first batch, ~10% of a 2-rank epoch; see docs/performance.md,
-"The demo"). An error it meets (a missing shard, a corrupt first image) is raised
-where the epoch starts, as it would have been without it.
+With tf.data (``data.backend=tfdata``, a folder or indexed TFRecords) one pipeline serves every epoch of
+the run (``hvrep.data.tfdata_epochs``): it is built and started once, at the first epoch, each epoch's plan
+is computed on tf.data's thread as its turn comes, and its prefetch runs on into the next epoch while this
+one ends, is evaluated and saved. A pipeline per epoch cost each epoch its start, the same at any number of
+ranks while an epoch's steps shrink with them: on the 2-rank demo 40-61 ms of a ~570 ms epoch
+(``input_wait_sec`` in the epoch events), 1-2 ms now (docs/one-host.md).
+
+Elsewhere (DALI, a ``train_dataset`` of the caller's, shards without an index) each epoch has its own: the
+next epoch's dataset is built and its first batch read on a background thread as soon as this epoch's last
+step has run, while it is evaluated and saved. Either way an error the next epoch's input meets (a missing
+shard, a corrupt first image) is raised where that epoch starts.
 
 The finished epoch's iterator is let go on another background thread: deleting a
 tf.data iterator waits for its autotuning thread, and on a loaded core that took
@@ -37,7 +41,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvrep.data import EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
+from hvrep.data import DataConfig, EpochPlan, EpochPosition, Segment, data_errors, epoch_plan, make_dataset
 from hvrep.errors import DataError
 from hvrep.replica import watchdog
 from hvrep.train import crash, faultpoint
@@ -169,11 +173,16 @@ class Controller:
                 f"on go on from the next one, dealt {plan.rule(n)} to {n} replica(s): {left} steps of {gb}.")
         return at, left
 
+    def _epoch_config(self, epoch: int) -> DataConfig:
+        """An epoch's data config: its own seed (its order and its augmentation)."""
+        cfg = self.cfg
+        return dataclasses.replace(cfg.data, seed=cfg.data.seed + cfg.train.seed * 1000 + epoch)
+
     def _epoch_input(self, epoch: int, segments: list[Segment]) -> tuple[Any, EpochPlan, EpochPosition, int,
                                                                          Callable[[Any], Any]]:
         """An epoch's data config (its seed), plan, position, steps left, and the input_fn of its batches."""
         cfg = self.cfg
-        epoch_cfg = dataclasses.replace(cfg.data, seed=cfg.data.seed + cfg.train.seed * 1000 + epoch)
+        epoch_cfg = self._epoch_config(epoch)
         plan = epoch_plan(epoch_cfg, "train")
         at, left = self._position(epoch, plan, segments)
 
@@ -226,6 +235,30 @@ class Controller:
             return "max_steps"
         return None
 
+    def _whole_run_batches(self, epoch: int, at: EpochPosition) -> Iterator[Any] | None:
+        """The batches of every epoch from ``epoch`` (from ``at``) to the last, from one pipeline built once
+        (``hvrep.data.tfdata_epochs``); None where it does not apply (DALI, a ``train_dataset`` of the caller's,
+        TFRecord shards without an index), and each epoch builds its own."""
+        cfg = self.cfg
+        if self.train_dataset is not make_dataset or cfg.data.backend != "tfdata":
+            return None
+        import hvrep.data
+
+        if not hvrep.data.tfdata_epochs_apply(cfg.data):
+            return None
+
+        def train_input(ctx: Any) -> Any:
+            return hvrep.data.tfdata_epochs(self._epoch_config, epoch, self.epochs, ctx, position=at,
+                                            threads=cfg.train.threads)
+
+        return iter(self.runner.repl.distribute_dataset(train_input, global_batch_size=cfg.train.global_batch))
+
+    @staticmethod
+    def _epoch_of(whole: Iterator[Any], steps: int) -> tuple[Iterator[Any], Any]:
+        """The next ``steps`` batches of the run's one pipeline, as :meth:`_batches` gives an epoch's."""
+        it = itertools.islice(whole, steps)
+        return it, next(it, None)
+
     def _batches(self, train_input: Callable[[Any], Any]) -> tuple[Iterator[Any], Any]:
         """An epoch's iterator and its first batch (None if it has none): the part of starting an epoch that
         waits on the input pipeline, run ahead on the controller's thread."""
@@ -259,6 +292,9 @@ class Controller:
         # The next epoch's input (its _epoch_input and the future of its _batches), starting on `pool` while this
         # epoch is evaluated and saved (see the module docstring).
         ahead: tuple[tuple[Any, ...], Future] | None = None
+        # The run's one pipeline for every epoch (_whole_run_batches), built at the first epoch; False where each
+        # epoch builds its own.
+        whole: Any = None
         with (stop_on_signals() as stop, ThreadPoolExecutor(1, thread_name_prefix="hvrep-next-epoch") as pool,
               ThreadPoolExecutor(1, thread_name_prefix="hvrep-release") as release):
             epoch = int(state.epoch.numpy())
@@ -277,7 +313,12 @@ class Controller:
                 self.runner.reset_totals()
                 with data_errors(epoch_cfg, "train"):
                     # Waiting here, if the pipeline is not ready yet, counts in the epoch's time.
-                    started = pending.result() if pending is not None else self._batches(train_input)
+                    if whole is None:
+                        whole = (self._whole_run_batches(epoch, at) if pending is None else None) or False
+                    if whole:
+                        started = self._epoch_of(whole, left)
+                    else:
+                        started = pending.result() if pending is not None else self._batches(train_input)
                     lp.input_wait = time.perf_counter() - lp.t0
                     for x, y in self._chained(started):
                         # The outputs are not read here: the next step is dispatched without waiting on the host.
@@ -310,7 +351,7 @@ class Controller:
                     break
                 epoch += 1
                 segments = []
-                if epoch < epochs:
+                if epoch < epochs and not whole:
                     following = self._epoch_input(epoch, [])
                     ahead = (following, pool.submit(self._batches, following[4]))
                 state.epoch.assign(epoch)
@@ -341,6 +382,11 @@ class Controller:
                     break
             if ahead is not None:
                 ahead[1].cancel()  # the run stopped before the epoch it started; the pool's exit waits for it
+            if whole:  # its iterator, like an epoch's, is deleted on `release`
+                left_over: list[Any] = [whole]
+                whole = None
+                release.submit(left_over.clear)
+                del left_over
             if summary["stopped"] in ("signal", "max_steps"):
                 self._save(int(state.epoch.numpy()), segments, train_examples)
         summary.update(top1=top1, top5=top5, images_per_sec=images_per_sec, wall_sec=time.time() - start_time)
