@@ -96,12 +96,8 @@ def test_the_next_epochs_input_starts_while_this_epoch_is_evaluated(demo_data, t
     assert waited == [True, True, None]
 
 
-def test_a_finished_epochs_iterator_is_deleted_off_the_main_thread(demo_data, tmp_path, monkeypatch):
-    _per_epoch_pipelines(monkeypatch)
-    # Deleting a tf.data iterator waits for its autotuning thread (up to 1.3 s in make demo): on the main
-    # thread that wait delayed the next epoch's first step, and every other rank with it.
-    cfg = _demo_cfg(demo_data, tmp_path / "run")
-    deleted_on = []
+def _tracked(deleted_on: list) -> type:
+    """An iterator wrapper that records the thread it is deleted on."""
 
     class Tracked:
         def __init__(self, it):
@@ -115,6 +111,17 @@ def test_a_finished_epochs_iterator_is_deleted_off_the_main_thread(demo_data, tm
 
         def __del__(self):
             deleted_on.append(threading.current_thread().name)
+
+    return Tracked
+
+
+def test_a_finished_epochs_iterator_is_deleted_off_the_main_thread(demo_data, tmp_path, monkeypatch):
+    _per_epoch_pipelines(monkeypatch)
+    # Deleting a tf.data iterator waits for its autotuning thread (up to 1.3 s in make demo): on the main
+    # thread that wait delayed the next epoch's first step, and every other rank with it.
+    cfg = _demo_cfg(demo_data, tmp_path / "run")
+    deleted_on = []
+    Tracked = _tracked(deleted_on)
 
     real_batches = Controller._batches
 
@@ -262,19 +269,7 @@ def test_one_pipeline_raises_a_later_epochs_input_error_where_that_epoch_starts(
 def test_one_pipelines_iterator_is_deleted_off_the_main_thread(demo_data, tmp_path, monkeypatch):
     cfg = _demo_cfg(demo_data, tmp_path / "run")
     deleted_on = []
-
-    class Tracked:
-        def __init__(self, it):
-            self.it = it
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.it)
-
-        def __del__(self):
-            deleted_on.append(threading.current_thread().name)
+    Tracked = _tracked(deleted_on)
 
     real = Controller._whole_run_batches
     monkeypatch.setattr(Controller, "_whole_run_batches", lambda self, epoch, at: Tracked(real(self, epoch, at)))
