@@ -311,12 +311,8 @@ def _record_arrays(listing: ShardListing, plan: EpochPlan, share: ReplicaShare) 
     def lengths(parts: list[np.ndarray]) -> np.ndarray:
         return np.asarray([len(p) for p in parts], np.int64)
 
-    def flat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-        return np.concatenate(parts) if parts else np.zeros([0], dtype)
-
-    return (flat(paths, object).astype(bytes), lengths(paths), flat(which, np.int64),
-            flat(offsets, np.int64).astype(np.int64), flat(sizes, np.int64).astype(np.int64),
-            flat(ids, np.int64), lengths(ids))
+    return (np.concatenate(paths), lengths(paths), np.concatenate(which), np.concatenate(offsets),
+            np.concatenate(sizes), np.concatenate(ids), lengths(ids))
 
 
 def _records_source(paths: Any, path_lengths: Any, which: Any, offsets: Any, sizes: Any, ids: Any,
@@ -456,7 +452,11 @@ def tfdata_dataset(config: DataConfig, split: str, ctx: InputContext | None = No
 
 def tfdata_epochs_apply(config: DataConfig) -> bool:
     """Whether :func:`tfdata_epochs` serves ``config``'s training split (not: TFRecord shards without an index)."""
-    listing = _listing(config, "train")
+    return _indexed(_listing(config, "train"))
+
+
+def _indexed(listing: FolderListing | ShardListing) -> bool:
+    """Every sample can be read on its own: a folder, or shards that all have an index."""
     return not isinstance(listing, ShardListing) or all(listing.indexes)
 
 
@@ -482,7 +482,7 @@ def tfdata_epochs(config_of: Callable[[int], DataConfig], first: int, stop: int,
     r, n_rep = ctx.replica_id, ctx.num_replicas
     config = config_of(first)
     listing = _listing(config, "train")
-    if isinstance(listing, ShardListing) and not all(listing.indexes):
+    if not _indexed(listing):
         return None
     position = position or EpochPosition()
     plan = plan_for(config, listing)
@@ -513,8 +513,8 @@ def tfdata_epochs(config_of: Callable[[int], DataConfig], first: int, stop: int,
             ds, load = _records_source(*made, label_offset=config.label_offset)
         return _train_batches(ds, load, seed, steps, b, config, skipped)
 
-    first_steps = share.steps  # an epoch resumed at its end has none: it is left out
-    ds = tf.data.Dataset.range(first if first_steps else first + 1, stop)
+    # An epoch resumed at its end has no steps left: it is left out.
+    ds = tf.data.Dataset.range(first if share.steps else first + 1, stop)
     return _finished(ds.flat_map(_as_written(epoch_batches)), skipped, threads)
 
 
