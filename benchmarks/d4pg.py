@@ -22,7 +22,12 @@ one launch each per round, in turn: 1 rank (one process), 2 ranks under ``mpirun
 a common start, with no communication at all — the machine's own ceiling for 2 ranks (shared caches and memory,
 the host's scheduling of both cores), which a 2-rank learner can at best reach. ``learner`` lines (steps/s and
 transitions/s of the slowest rank; per learner step, the most CPU time and voluntary context switches of a rank:
-on a loaded machine, the work a step does and how often it waits, which the load moves less than the rates) and
+on a loaded machine, the work a step does and how often it waits, which the load moves less than the rates; for
+the 2-rank learners, from hvrep's shared-memory all-reduce's counters (``hvrep.replica.shm.stats``), the step's
+all-reduce in ms per step on the rank that waited longest in it: ``allreduce_ms_per_step`` from submission to
+end, of which ``allreduce_wait_ms_per_step`` waiting for the other rank and ``allreduce_work_ms_per_step`` the
+rest, the copies, the sum and the hand-over to the transport's thread; ``allreduce_wait_ms_per_step_least``, the
+other rank's wait) and
 ``learner_scaling`` lines (2 ranks' transitions/s over the same round's 1 rank; for the 2-rank launchers also
 ``of_ceiling``, over the same round's ``2 x 1 rank apart``). ``--env KEY=VALUE`` sets a variable in every launch
 (e.g. ``HOROVOD_CYCLE_TIME=0.1``; the launcher's own variables are otherwise dropped).
@@ -208,6 +213,7 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
     from examples.d4pg.agent import D4PG
     from examples.d4pg.replay import row_width
     from examples.d4pg.train import config, env_spec
+    from hvrep.replica import shm
 
     cfg = config(settings)
     obs_dim, act_dim, low, high = env_spec(cfg.env)
@@ -231,9 +237,14 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
     run(20, 1)
     if os.environ.get(BARRIER_VAR):  # APART: both processes start timing together
         _file_barrier(Path(os.environ[BARRIER_VAR]), local, 2)
+    before = shm.stats()
     mine = run(steps, 21)
-    # The slowest rank's steps/s; the most CPU and context switches per step of a rank.
-    worst = np.asarray(repl.reduce(mine * np.asarray([-1.0, 1.0, 1.0]), "max"), np.float64)
+    parts = _allreduce_parts(before, shm.stats(), steps)
+    # The slowest rank's steps/s; the most CPU and context switches per step of a rank; the step's all-reduce
+    # on the rank that waited longest in it.
+    worst = np.asarray(repl.reduce(np.concatenate([mine * np.asarray([-1.0, 1.0, 1.0]), [parts[1], -parts[1]]]),
+                                   "max"), np.float64)
+    waited_most = np.asarray(repl.reduce(parts * float(parts[1] == worst[3]), "max"), np.float64)
     slowest = -float(worst[0])
     if repl.rank == 0:
         print(LEARNER_PREFIX + json.dumps({"ranks": repl.num_processes, "backend": repl.backend,
@@ -243,9 +254,28 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
                                                                         * repl.num_replicas, 1),
                                            "core": core,
                                            "cpu_ms_per_step": round(float(worst[1]), 3),
-                                           "voluntary_switches_per_step": round(float(worst[2]), 2)}), flush=True)
+                                           "voluntary_switches_per_step": round(float(worst[2]), 2),
+                                           **({} if before is None else {
+                                               "allreduce_ms_per_step": round(float(waited_most[0]), 3),
+                                               "allreduce_wait_ms_per_step": round(float(waited_most[1]), 3),
+                                               "allreduce_wait_ms_per_step_least": round(-float(worst[4]), 3),
+                                               "allreduce_work_ms_per_step": round(float(waited_most[2]), 3)})}),
+              flush=True)
     repl.close()
     return 0
+
+
+def _allreduce_parts(before: dict[str, int] | None, after: dict[str, int] | None, steps: int) -> Any:
+    """Per learner step, in ms, from hvrep's shared-memory all-reduce counters (hvrep.replica.shm.stats) over the
+    timed steps: the all-reduce as the step waits for it (submission to end), the part of it spent waiting for
+    the other rank, and the rest (the copies and the sum, handing the op over). Zeros where it is not open."""
+    import numpy as np
+
+    if before is None or after is None:
+        return np.zeros(3)
+    d = {k: after[k] - before[k] for k in after}
+    latency, wait = d["latency_ns"] / 1e6 / steps, d["wait_ns"] / 1e6 / steps
+    return np.asarray([latency, wait, latency - wait])
 
 
 def _learner_lines(output: str) -> list[dict[str, Any]]:

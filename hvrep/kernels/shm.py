@@ -17,6 +17,12 @@ from hvrep.kernels import loader
 # The dtypes the op sums (half and bfloat16 in float, rounded once).
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
+# hvrep_shm_stats' counters, in its order (kernels/tf/shm.cc, Stat): collectives and chunks done, bytes summed;
+# nanoseconds summed over the collectives from the op's submission to its end ("latency": what the step waits),
+# of the progress thread's work on them, waits for the peers included ("reduce"), and of waiting for another
+# rank ("wait": the announcement, the peers' inputs, their sums); and the waits that slept on the futex.
+STATS = ("ops", "chunks", "bytes", "latency_ns", "reduce_ns", "wait_ns", "sleeps")
+
 
 class Native:
     """The op and the C functions of one process's transport (at most one open at a time)."""
@@ -30,6 +36,9 @@ class Native:
                                 ("hvrep_shm_is_open", [], c_int)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
+        self._stats = getattr(lib, "hvrep_shm_stats", None)  # None in a library built before it
+        if self._stats is not None:
+            self._stats.argtypes, self._stats.restype = [ctypes.POINTER(i64), c_int], c_int
 
     def file_bytes(self, size: int, cap: int) -> int:
         """Bytes the transport's file takes for ``size`` ranks and chunks of ``cap`` bytes."""
@@ -48,6 +57,14 @@ class Native:
     def close(self) -> bool:
         """Stops the progress thread (its pending ops fail) and unmaps the file; False where none was open."""
         return int(self._lib.hvrep_shm_close()) == 0
+
+    def stats(self) -> dict[str, int] | None:
+        """The open transport's counters since it opened (:data:`STATS`); None where none is open."""
+        if self._stats is None:
+            return None
+        out = (ctypes.c_int64 * len(STATS))()
+        n = int(self._stats(out, len(STATS)))
+        return None if n < 0 else dict(zip(STATS[:n], (int(v) for v in out[:n]), strict=True))
 
     def is_open(self) -> bool:
         return bool(self._lib.hvrep_shm_is_open())

@@ -161,6 +161,15 @@ def open_transport(rank: int, size: int, reason: str, asked: str, agree: Callabl
     return nat
 
 
+def stats() -> dict[str, int] | None:
+    """This process's shared-memory all-reduce since it opened, where it is open (else None): collectives, chunks
+    and bytes, and nanoseconds summed over the collectives (``hvrep.kernels.shm.STATS``). Take two and subtract
+    to split a stretch of steps' all-reduce into its parts (benchmarks/d4pg.py --learner-only)."""
+    if _open is None or _open_pid != os.getpid():
+        return None
+    return _open.stats()
+
+
 def refused(asked: str, reason: str) -> None:
     """None (Horovod's collectives serve), or for ``asked`` "shm" a SetupError with the reason."""
     if asked == "shm":

@@ -150,7 +150,13 @@ struct Op {
   Tensor input;
   Tensor* output;
   std::function<void(absl::Status)> done;
+  int64_t submitted_ns = 0;
 };
+
+// What this process's transport has done since it opened, for `hvrep_shm_stats` (benchmarks/d4pg.py and
+// step_overhead.py split a step's all-reduce into its parts with it). Written by the progress thread only; read
+// from any thread, so each is atomic (relaxed: they are counters, read as a snapshot).
+enum Stat { kOps, kChunks, kBytes, kLatencyNs, kReduceNs, kWaitNs, kSleeps, kNumStats };
 
 class Comm {
  public:
@@ -184,6 +190,7 @@ class Comm {
   }
 
   void Submit(Op* op) {
+    op->submitted_ns = NowNs();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!stop_ && broken_.empty()) {
@@ -193,6 +200,11 @@ class Comm {
       }
     }
     Finish(op, Failure());
+  }
+
+  // The counters (Stat's order) into out[0..n).
+  void Stats(int64_t* out, int n) const {
+    for (int i = 0; i < n && i < kNumStats; ++i) out[i] = stats_[i].load(std::memory_order_relaxed);
   }
 
   int PeersSeen() const {
@@ -205,6 +217,8 @@ class Comm {
   }
 
  private:
+  void Count(Stat s, int64_t v) { stats_[s].fetch_add(v, std::memory_order_relaxed); }
+
   // Publishes `v` at `p` and wakes the ranks sleeping on the bell.
   void Publish(uint64_t* p, uint64_t v) {
     Store(p, v);
@@ -277,7 +291,10 @@ class Comm {
     int64_t next_check = start + 100 * 1000 * 1000;
     for (int i = 0;; ++i) {
       const uint32_t bell = __atomic_load_n(&hdr_->bell, __ATOMIC_SEQ_CST);
-      if (ready()) return true;
+      if (ready()) {
+        if (i > 0) Count(kWaitNs, NowNs() - start);
+        return true;
+      }
       if (i < 128) {
         Pause();
         continue;
@@ -292,6 +309,7 @@ class Comm {
       } else {
         const int64_t left = std::max<int64_t>(next_check - now, 1000);
         const timespec ts{static_cast<time_t>(left / 1000000000), static_cast<long>(left % 1000000000)};
+        Count(kSleeps, 1);
         __atomic_add_fetch(&hdr_->sleepers, 1u, __ATOMIC_SEQ_CST);
         Futex(&hdr_->bell, FUTEX_WAIT, bell, &ts);  // returns at once if the bell rang since it was read
         __atomic_sub_fetch(&hdr_->sleepers, 1u, __ATOMIC_SEQ_CST);
@@ -456,7 +474,9 @@ class Comm {
       if (!WaitAll(offsetof(RankLine, reduced), t, "in an all-reduce (the sums)")) return false;
       if (n > 0) std::memcpy(out + done * es, Result(t), n * es);
       done += n;
+      Count(kChunks, 1);
     } while (done < count);
+    Count(kBytes, count * es);
     return true;
   }
 
@@ -465,10 +485,15 @@ class Comm {
     for (uint64_t c = 1;; ++c) {
       Op* op = Next(c);
       if (op == nullptr) break;
+      const int64_t taken = NowNs();
       if (!Reduce(op)) {
         Finish(op, Failure());
         break;
       }
+      const int64_t end = NowNs();
+      Count(kOps, 1);
+      Count(kReduceNs, end - taken);
+      Count(kLatencyNs, end - op->submitted_ns);
       Finish(op, absl::OkStatus());
     }
     // Broken or stopping: fail what is pending, and what comes later (Submit sees broken_ or stop_).
@@ -487,6 +512,7 @@ class Comm {
   const int rank_, size_;
   const int64_t cap_;
   uint64_t chunk_ = 0;
+  std::atomic<int64_t> stats_[kNumStats] = {};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op*> pending_;
@@ -642,6 +668,22 @@ int hvrep_shm_close(void) {
   if (!c) return -1;
   c->Stop();
   return 0;  // the last owner (this one, or an op's ComputeAsync in flight) unmaps the file
+}
+
+// This process's counters since its transport opened, in the order ops, chunks, bytes, latency_ns (each op's
+// submission to its end, summed), reduce_ns (the progress thread's time on it, waits for the peers included),
+// wait_ns (time waiting for another rank: the announcement, the peers' inputs, their sums), sleeps (waits that
+// slept on the futex). Writes min(n, 7) values; returns how many, or -1 where none is open.
+int hvrep_shm_stats(int64_t* out, int n) {
+  using namespace hvrep::shm;
+  std::shared_ptr<Comm> c;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    c = *g_comm;
+  }
+  if (!c || out == nullptr || n < 0) return -1;
+  c->Stats(out, n);
+  return std::min(n, static_cast<int>(kNumStats));
 }
 
 int hvrep_shm_is_open(void) {

@@ -1,7 +1,8 @@
 """benchmarks/d4pg.py --learner-only: one round of its four contenders (1 rank, 2 ranks under mpirun, 2 under
 horovodrun --gloo, two 1-rank learners apart on a core each), each learning from a replay filled once with no
 actors; the lines' schema and the ratios computed from the same round's launches; ``--env`` reaches every
-launch's record; per-step CPU time and context switches. No timing bounds: the figures are docs/performance.md's."""
+launch's record; per-step CPU time and context switches, and the 2-rank step's all-reduce split into waiting
+and the rest. No timing bounds: the figures are docs/performance.md's."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ def test_learner_only_round(tmp_path):
         assert r["env"] == {"HOROVOD_CYCLE_TIME": "0.1"}, r
         # A learner step computes: its CPU time is > 0 (how much is load-dependent: no bound).
         assert r["cpu_ms_per_step"] > 0 and r["voluntary_switches_per_step"] >= 0, r
+        # The 2-rank learners' one all-reduce a step goes through hvrep's shared-memory transport (both ranks on
+        # this host): its time per step, split into waiting for the other rank and the rest.
+        parts = ("allreduce_ms_per_step", "allreduce_wait_ms_per_step", "allreduce_work_ms_per_step")
+        if r["backend"] == "horovod":
+            assert r["allreduce_ms_per_step"] > 0, r
+            assert r["allreduce_ms_per_step"] == pytest.approx(
+                r["allreduce_wait_ms_per_step"] + r["allreduce_work_ms_per_step"], abs=2e-3), r
+            assert 0 <= r["allreduce_wait_ms_per_step_least"] <= r["allreduce_wait_ms_per_step"], r
+        else:
+            assert not any(k in r for k in parts), r
     one = learners["1 rank"]["transitions_per_sec"]
     ceiling = learners["2 x 1 rank apart"]["transitions_per_sec"]
     assert len(set(learners["2 x 1 rank apart"]["cores"])) == 2  # a core each

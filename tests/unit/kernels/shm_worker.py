@@ -85,6 +85,17 @@ def main() -> None:
             return tape.gradient(loss, x)
 
         result["grad"] = grad(tf.ones([6])).numpy().tolist()
+    elif mode == "stats":
+        # Two collectives (1,025 floats: 2 chunks of 1,024; 3,000: 3) and an empty one, which never reaches the
+        # transport; rank 1 comes to the second 0.3 s late, so rank 0 waits for it there.
+        reduce = tf.function(lambda t, key: nat.allreduce(t, key=key))
+        result["before"] = nat.stats()
+        reduce(tf.ones([0]), key="empty")
+        reduce(tf.ones([1025]), key="a")
+        if rank == 1:
+            time.sleep(0.3)
+        reduce(tf.ones([3000]), key="b")
+        result["after"] = nat.stats()
     elif mode in ("mismatch", "dead", "close"):
         n = 5 if (mode == "mismatch" and rank == 1) else 4
         if mode == "dead" and rank == 1:

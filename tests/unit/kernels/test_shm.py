@@ -64,6 +64,23 @@ def test_its_gradient_is_the_sum_of_the_upstream_gradients_over_the_ranks(tmp_pa
         assert r["grad"] == [3.0] * 6, r
 
 
+def test_its_counters_split_the_collectives_time_into_waiting_for_the_peers_and_the_rest(tmp_path):
+    ranks = run_ranks(tmp_path, "stats")
+    assert len(ranks) == 2
+    for r in ranks:
+        assert all(v == 0 for v in r["before"].values()), r
+        after = r["after"]
+        assert (after["ops"], after["chunks"], after["bytes"]) == (2, 5, (1025 + 3000) * 4), r
+        # Each collective's time from its submission covers the progress thread's time on it.
+        assert after["latency_ns"] >= after["reduce_ns"] > 0, r
+    late, waited = ranks[1]["after"], ranks[0]["after"]
+    # Rank 0 announced the second collective and waited for rank 1's inputs the 0.3 s rank 1 slept, asleep
+    # on the futex (the spin and yield last 50 us); rank 1 found it announced and its peer there.
+    assert 0.25e9 < waited["wait_ns"] <= waited["reduce_ns"], waited
+    assert waited["sleeps"] >= 1, waited
+    assert late["wait_ns"] < 0.25e9, late
+
+
 def test_a_mismatch_fails_every_rank_with_the_reason_and_breaks_the_transport(tmp_path):
     ranks = run_ranks(tmp_path, "mismatch")
     for r in ranks:
