@@ -27,7 +27,9 @@ the 2-rank learners, from hvrep's shared-memory all-reduce's counters (``hvrep.r
 all-reduce in ms per step on the rank that waited longest in it: ``allreduce_ms_per_step`` from submission to
 end, of which ``allreduce_wait_ms_per_step`` waiting for the other rank and ``allreduce_work_ms_per_step`` the
 rest, the copies, the sum and the hand-over to the transport's thread; ``allreduce_wait_ms_per_step_least``, the
-other rank's wait) and
+other rank's wait; ``rank0_thread_cpu_ms_per_step``: rank 0's CPU ms per step by thread, from /proc: "main" (Python
+and the ops TensorFlow runs on the caller's thread), "tf_Compute" (its pool), "hvrep-shm" (the all-reduce's
+thread), "python" (the rest: Horovod's and Gloo's threads)) and
 ``learner_scaling`` lines (2 ranks' transitions/s over the same round's 1 rank; for the 2-rank launchers also
 ``of_ceiling``, over the same round's ``2 x 1 rank apart``). ``--env KEY=VALUE`` sets a variable in every launch
 (e.g. ``HOROVOD_CYCLE_TIME=0.1``; the launcher's own variables are otherwise dropped).
@@ -224,13 +226,19 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
     rows[:, obs_dim + act_dim + 1] = cfg.agent.gamma ** cfg.n_step  # the discount column
     per_step = cfg.per_replica_batch * agent.local_replicas
 
+    threads: dict[str, float] = {}
+
     def run(n: int, first: int) -> np.ndarray:
-        """(steps/s, CPU ms per step, voluntary context switches per step) of this process."""
+        """(steps/s, CPU ms per step, voluntary context switches per step) of this process; ``threads``: CPU ms
+        per step by thread."""
         repl.reduce(np.zeros(()), "sum")  # a barrier
-        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        t0, r0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
         outs = [agent.train_step(rows[rng.integers(0, len(rows), per_step)], first + i) for i in range(n)]
         repl.reduce(outs[-1], "mean")  # waits for the last step
-        seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        seconds, r1, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
+        threads.clear()
+        for tid, (name, ticks) in c1.items():
+            threads[name] = threads.get(name, 0.0) + (ticks - c0.get(tid, (name, 0))[1]) * 1e3 / TICKS / n
         cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
         return np.asarray([n / seconds, 1e3 * cpu / n, (r1.ru_nvcsw - r0.ru_nvcsw) / n])
 
@@ -255,6 +263,8 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
                                            "core": core,
                                            "cpu_ms_per_step": round(float(worst[1]), 3),
                                            "voluntary_switches_per_step": round(float(worst[2]), 2),
+                                           "rank0_thread_cpu_ms_per_step": {k: round(v, 3) for k, v in sorted(
+                                               threads.items(), key=lambda kv: -kv[1]) if v >= 0.0005},
                                            **({} if before is None else {
                                                "allreduce_ms_per_step": round(float(waited_most[0]), 3),
                                                "allreduce_wait_ms_per_step": round(float(waited_most[1]), 3),
@@ -263,6 +273,26 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
               flush=True)
     repl.close()
     return 0
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu() -> dict[str, tuple[str, int]]:
+    """This process's threads: tid -> (what it is, CPU ticks so far). The main thread is "main"; TensorFlow's pool
+    threads, hvrep's all-reduce thread ("hvrep-shm") and the rest by their names (Horovod's, Gloo's and other
+    unnamed threads show as "python")."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = "main" if int(tid) == os.getpid() else f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        out[tid] = (name, int(fields[11]) + int(fields[12]))  # utime + stime
+    return out
 
 
 def _allreduce_parts(before: dict[str, int] | None, after: dict[str, int] | None, steps: int) -> Any:

@@ -482,6 +482,7 @@ class Comm {
 
   void Loop() {
     prctl(PR_SET_TIMERSLACK, 1000UL);  // this thread's short sleeps: 1 us of slack, not Linux's 50 us
+    prctl(PR_SET_NAME, "hvrep-shm");  // as top -H and /proc/PID/task/*/comm show it
     for (uint64_t c = 1;; ++c) {
       Op* op = Next(c);
       if (op == nullptr) break;
