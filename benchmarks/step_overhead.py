@@ -44,10 +44,13 @@ single-copy transfer pins each page of the peer's buffer; and on ``COLD_PAIRS`` 
 turn (``floor_cold``): a step's tensors are allocated afresh, so the reduction's memory is not hot in the caches.
 
 JSON lines, ``"benchmark": "step_overhead"``: ``cost`` (launcher, variant, entry, bytes, tensors, with_us,
-without_us, cost_us, cost_median_us, cost_p10_us, cost_p90_us), ``floor`` (launcher, floor, bytes, us,
-median_us, or measured false and why), ``floor_small_pages`` and ``floor_cold`` (the same fields, mpirun), ``timeline``
-(bytes, tensors, activity -> median µs per step), ``run`` (load average,
-the command).
+without_us, cost_us, cost_median_us, cost_p10_us, cost_p90_us; for the default variant's steps through hvrep's
+shared-memory all-reduce, from its counters (``hvrep.replica.shm.stats``) per step and round, each on the rank
+where it was larger, and their medians: shm_allreduce_us, the reductions from submission to end; shm_wait_us,
+waiting for the other rank; shm_handover_us, from submission until the transport's thread takes the op),
+``floor`` (launcher, floor, bytes, us, median_us, or measured false and why), ``floor_small_pages`` and
+``floor_cold`` (the same fields, mpirun), ``timeline`` (bytes, tensors, activity -> median µs per step), ``run``
+(load average, the command).
 """
 
 from __future__ import annotations
@@ -174,6 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
     import tensorflow as tf
 
     import hvrep
+    from hvrep.replica import shm
 
     # The breakdown's variants take Horovod's machinery apart, so their launches reduce through it.
     config = hvrep.CommConfig(timeout_s=0 if args.variant == "watchdog_off" else 600.0,
@@ -275,6 +279,11 @@ def _worker(args: argparse.Namespace) -> int:
             else:
                 contenders[("floor", nbytes)] = nbytes
 
+    # The default with-steps' reductions, through hvrep's shared-memory all-reduce where it is open: its counters
+    # over each sample (hvrep.replica.shm.stats), µs per call: (from submission to end, waiting for the other rank,
+    # the hand-over to its thread).
+    parts: dict[tuple, list] = {}
+
     def sample(key: tuple) -> float:
         call = contenders[key]
         barrier()
@@ -283,12 +292,19 @@ def _worker(args: argparse.Namespace) -> int:
         flush_off = key[-1] == "with_flush_off"
         if flush_off:  # read by hvrep's Horovod at each enqueue of hvrep's reductions
             os.environ["HVREP_HOROVOD_FLUSH"] = "0"
+        counted = key[-1] == "with" and repl._backend._shm is not None
         try:
+            before = shm.stats() if counted else None
             t0 = time.perf_counter()
             for _ in range(args.inner):
                 out = call()
             tf.nest.flatten(out)[0].numpy() if out is not None else None
-            return (time.perf_counter() - t0) / args.inner * 1e6
+            us = (time.perf_counter() - t0) / args.inner * 1e6
+            if before is not None:
+                after = shm.stats()
+                d = {k: (after[k] - before[k]) / 1e3 / args.inner for k in ("latency_ns", "wait_ns", "reduce_ns")}
+                parts.setdefault(key, []).append([d["latency_ns"], d["wait_ns"], d["latency_ns"] - d["reduce_ns"]])
+            return us
         finally:
             if flush_off:
                 os.environ.pop("HVREP_HOROVOD_FLUSH", None)
@@ -303,6 +319,8 @@ def _worker(args: argparse.Namespace) -> int:
         for key in order:
             mine[r, keys.index(key)] = sample(key)
     slowest = repl.reduce(mine, "max")  # a round's sample is the slowest rank's
+    # Each part per round on the rank where it was larger (the warm-up's samples dropped).
+    split = {key: repl.reduce(np.asarray(v[-args.rounds:], np.float64), "max") for key, v in sorted(parts.items())}
     if gloo is not None:
         gloo.close()
     if rank != 0:
@@ -331,6 +349,11 @@ def _worker(args: argparse.Namespace) -> int:
                             "cost_median_us": round(float(np.median(cost)), 2),
                             "cost_p10_us": round(float(np.percentile(cost, 10)), 2),
                             "cost_p90_us": round(float(np.percentile(cost, 90)), 2)})
+            if key in split:
+                for j, part in enumerate(("shm_allreduce_us", "shm_wait_us", "shm_handover_us")):
+                    values = [round(float(v), 2) for v in split[key][:, j]]
+                    records[-1][part] = values
+                    records[-1][part.replace("_us", "_median_us")] = round(float(np.median(values)), 2)
     if args.variant == "default" and floor_error is not None:
         records += [{**base, "kind": "floor", "bytes": g, "measured": False, "floor": "torch_gloo_allreduce",
                      "why": floor_error} for g in args.sizes]

@@ -52,6 +52,22 @@ def test_every_entry_and_tensor_count_has_a_cost_line(lines, launcher):
 
 
 @pytest.mark.parametrize("launcher", harness.LAUNCHERS)
+def test_the_shared_memory_all_reduce_splits_its_own_time(lines, launcher):
+    # The default variant goes through hvrep's shared-memory all-reduce (both ranks on this host): its counters
+    # give each round's all-reduce per step, the part spent waiting for the other rank, and the hand-over. The
+    # variant through Horovod's collectives has no such split.
+    for r in (r for r in lines[launcher] if r["kind"] == "cost"):
+        if r["variant"] != "default":
+            assert "shm_allreduce_us" not in r, r
+            continue
+        assert len(r["shm_allreduce_us"]) == len(r["shm_wait_us"]) == len(r["shm_handover_us"]) == ROUNDS, r
+        for total, wait, handover in zip(r["shm_allreduce_us"], r["shm_wait_us"], r["shm_handover_us"],
+                                         strict=True):
+            assert total > 0 and 0 <= handover <= total and wait >= 0, r
+        assert r["shm_allreduce_median_us"] == pytest.approx(statistics.median(r["shm_allreduce_us"]), abs=0.02), r
+
+
+@pytest.mark.parametrize("launcher", harness.LAUNCHERS)
 def test_cost_is_with_minus_without_per_round(lines, launcher):
     for r in (r for r in lines[launcher] if r["kind"] == "cost"):
         for w, wo, c in zip(r["with_us"], r["without_us"], r["cost_us"], strict=True):
