@@ -199,6 +199,7 @@ APART = "2 x 1 rank apart"
 LEARNER_CONTENDERS = ("1 rank", "2 ranks mpirun", "2 ranks horovodrun", APART)
 # For APART's two processes: the core each takes, and a folder where each marks its start (a file barrier).
 CORE_VAR, BARRIER_VAR = "D4PG_LEARNER_CORE", "D4PG_LEARNER_BARRIER"
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of a thread's CPU time
 
 
 def _learner_worker(steps: int, settings: list[str]) -> int:
@@ -273,9 +274,6 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
               flush=True)
     repl.close()
     return 0
-
-
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _thread_cpu() -> dict[str, tuple[str, int]]:
