@@ -227,27 +227,25 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
     rows[:, obs_dim + act_dim + 1] = cfg.agent.gamma ** cfg.n_step  # the discount column
     per_step = cfg.per_replica_batch * agent.local_replicas
 
-    threads: dict[str, float] = {}
-
-    def run(n: int, first: int) -> np.ndarray:
-        """(steps/s, CPU ms per step, voluntary context switches per step) of this process; ``threads``: CPU ms
-        per step by thread."""
+    def run(n: int, first: int) -> tuple[np.ndarray, dict[str, float]]:
+        """(steps/s, CPU ms per step, voluntary context switches per step) of this process, and its CPU ms per step
+        by thread."""
         repl.reduce(np.zeros(()), "sum")  # a barrier
         t0, r0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
         outs = [agent.train_step(rows[rng.integers(0, len(rows), per_step)], first + i) for i in range(n)]
         repl.reduce(outs[-1], "mean")  # waits for the last step
         seconds, r1, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
-        threads.clear()
+        threads: dict[str, float] = {}
         for tid, (name, ticks) in c1.items():
             threads[name] = threads.get(name, 0.0) + (ticks - c0.get(tid, (name, 0))[1]) * 1e3 / TICKS / n
         cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
-        return np.asarray([n / seconds, 1e3 * cpu / n, (r1.ru_nvcsw - r0.ru_nvcsw) / n])
+        return np.asarray([n / seconds, 1e3 * cpu / n, (r1.ru_nvcsw - r0.ru_nvcsw) / n]), threads
 
     run(20, 1)
     if os.environ.get(BARRIER_VAR):  # APART: both processes start timing together
         _file_barrier(Path(os.environ[BARRIER_VAR]), local, 2)
     before = shm.stats()
-    mine = run(steps, 21)
+    mine, threads = run(steps, 21)
     parts = _allreduce_parts(before, shm.stats(), steps)
     # The slowest rank's steps/s; the most CPU and context switches per step of a rank; the step's all-reduce
     # on the rank that waited longest in it.
