@@ -23,7 +23,8 @@ from hvrep.kernels.loader import choose
 PACK_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 def _scale64(scale: Any) -> tf.Tensor:
-    s = tf.cast(scale, tf.float64)
+    # A Python number straight to float64: tf.cast would make it a float32 tensor first (1/3 -> 0.33333334).
+    s = tf.cast(scale, tf.float64) if isinstance(scale, tf.Tensor | tf.Variable) else tf.constant(scale, tf.float64)
     if s.shape.rank not in (0, None):
         raise ConfigError(f"scale must be a scalar, got shape {s.shape}.")
     return s

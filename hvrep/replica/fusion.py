@@ -136,7 +136,9 @@ def fused_reduce(
             continue
         # One tensor alone: reshaped with its runtime shape, so an unknown shape works too.
         (i,), (t,) = bucket, parts
-        scaled = t if prescale is None else t * tf.cast(prescale, t.dtype)
+        # The scale through float64 (tf.cast of a Python number would round it to float32 first), then to the
+        # tensor's dtype as the pack rounds it.
+        scaled = t if prescale is None else t * tf.cast(tf.constant(prescale, tf.float64), t.dtype)
         reduced = reduce_buffer(tf.reshape(tf.cast(scaled, wire[i]), [-1]))
         out[i] = tf.reshape(tf.cast(reduced, t.dtype), tf.shape(t))
     return out  # type: ignore[return-value]

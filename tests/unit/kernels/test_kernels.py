@@ -375,6 +375,23 @@ def test_the_fused_all_reduce_packs_buckets_with_the_op():
     assert {"HvrepPack", "HvrepUnpack"} <= ops, ops
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_a_float64_scale_is_not_rounded_to_float32(use_kernel):
+    # A mean over 3 replicas multiplies by 1/3: in float64 that is 1/3 to 53 bits, not float32's 0.33333334.
+    from hvrep.replica.fusion import fused_reduce
+
+    x = np.arange(1, 8, dtype=np.float64)
+    want = x * (1 / 3)
+    packed = kernels.pack([tf.constant(x)], None, 1 / 3, use_kernel=use_kernel)
+    np.testing.assert_array_equal(packed.numpy(), want)
+    (back,) = kernels.unpack(tf.constant(x), [(7,)], tf.float64, 1 / 3, use_kernel=use_kernel)
+    np.testing.assert_array_equal(back.numpy(), want)
+    # The fused all-reduce's prescale, for a bucket and for a tensor alone.
+    for tensors in ([tf.constant(x), tf.constant(x[:3])], [tf.constant(x)]):
+        out = fused_reduce(tensors, tf.identity, threshold=1 << 20, prescale=1 / 3)
+        np.testing.assert_array_equal(out[0].numpy(), want)
+
+
 # ---------------------------------------------------------------------------
 # The optimizer.
 
