@@ -31,7 +31,10 @@ round is its with-sample minus its without-sample of that round; the lines hold 
 cost can be recomputed. ``--flush-off`` (default on; off with ``--quick``) adds, in the same rounds, each
 entry point's with-step run with ``HVREP_HOROVOD_FLUSH=0`` (hvrep's reductions wait Horovod's fusion window, as
 before hvrep's build ended it for them: hvrep/compat/horovod_patches.py), set around its samples only: cost lines
-of ``variant: "flush_off"``, against the same without-step. ``--breakdown`` (default on; off with ``--quick``)
+of ``variant: "flush_off"``, against the same without-step. ``--packed`` (default off) adds, in the same rounds,
+each default with-step with its buckets packed into one buffer before hvrep's shared-memory all-reduce, as before
+that transport took a bucket's tensors themselves (``Backend._reduce_parts``): cost lines of ``variant:
+"packed_first"``. ``--breakdown`` (default on; off with ``--quick``)
 adds the 16 KB, 1-tensor ``all_reduce`` case re-run under variants (``HOROVOD_CYCLE_TIME=0.1``,
 ``HVREP_HOROVOD_IDLE_WAIT_MS=0``, ``CommConfig(timeout_s=0)``: no watchdog markers, the watchdog's
 ``tf.py_function`` markers instead of its native ones, Gloo's ring instead of halving-doubling
@@ -189,6 +192,20 @@ def _worker(args: argparse.Namespace) -> int:
     via_horovod = args.variant == "default" and (args.other_transport or args.flush_off)
     repl_h = (hvrep.Replicator("horovod", config=dataclasses.replace(config, local_transport="horovod"))
               if via_horovod else None)
+    # --packed: each default with-step once more with the bucket packed before hvrep's shared-memory all-reduce
+    # (the path before it took the parts themselves), where that transport is open.
+    packed = args.packed and args.variant == "default" and shm.stats() is not None
+
+    def packing_first(call: Any) -> Any:
+        """``call`` with the backend's parts path off (traced so on its first call, in the warm-up)."""
+        def run() -> Any:
+            repl._backend._reduce_parts = lambda *a: None
+            try:
+                return call()
+            finally:
+                del repl._backend._reduce_parts
+        return run
+
     if args.variant == "py_markers":
         from hvrep.replica import activity, watchdog
 
@@ -239,6 +256,12 @@ def _worker(args: argparse.Namespace) -> int:
             if via_horovod:
                 # One call through Horovod; the flush-off contender is the same call with the flush turned off.
                 contenders[("all_reduce", nbytes, n, "with_horovod")] = lambda f=with_ar, v=xs: repl_h.run(f, args=(v,))
+            if packed:
+                def with_ar_packed(v: list, scope: str = scope) -> list:  # a function of its own: its own trace
+                    return with_ar(v, scope)
+
+                contenders[("all_reduce", nbytes, n, "with_packed")] = packing_first(
+                    lambda f=with_ar_packed, v=xs: repl.run(f, args=(v,)))
             if args.variant == "default":
                 with repl.scope():
                     variables = [keras.Variable(np.zeros(k, np.float32)) for k in each]
@@ -247,6 +270,12 @@ def _worker(args: argparse.Namespace) -> int:
                 for opt, which in ((wrapped, "with"), (plain, "without")):
                     apply = _apply_step(opt, variables, f"{scope}_{which}")
                     contenders[("wrap_optimizer", nbytes, n, which)] = lambda f=apply, v=xs: repl.run(f, args=(v,))
+                if packed:
+                    with repl.scope():
+                        wrapped_p = repl.wrap_optimizer(keras.optimizers.SGD(learning_rate=0.0))
+                    apply = _apply_step(wrapped_p, variables, f"{scope}_with_packed")
+                    contenders[("wrap_optimizer", nbytes, n, "with_packed")] = packing_first(
+                        lambda f=apply, v=xs: repl.run(f, args=(v,)))
                 if via_horovod:
                     with repl_h.scope():
                         variables_h = [keras.Variable(np.zeros(k, np.float32)) for k in each]
@@ -293,7 +322,7 @@ def _worker(args: argparse.Namespace) -> int:
         if flush_off:  # read by hvrep's Horovod at each enqueue of hvrep's reductions
             os.environ["HVREP_HOROVOD_FLUSH"] = "0"
         try:
-            before = shm.stats() if key[-1] == "with" else None  # None where the transport is not open
+            before = shm.stats() if key[-1] in ("with", "with_packed") else None  # None where it is not open
             t0 = time.perf_counter()
             for _ in range(args.inner):
                 out = call()
@@ -338,10 +367,11 @@ def _worker(args: argparse.Namespace) -> int:
             records.append({**base, "kind": "floor", "bytes": key[1], "measured": True,
                             "floor": "mpi4py_allreduce" if mpi is not None else "torch_gloo_allreduce", "us": us,
                             "median_us": round(float(np.median(us)), 2)})
-        elif key[3] in ("with", "with_horovod", "with_flush_off"):
+        elif key[3] in ("with", "with_horovod", "with_flush_off", "with_packed"):
             w, wo = col[key], col[(*key[:3], "without")]
             cost = [round(a - b, 2) for a, b in zip(w, wo, strict=True)]
-            variant = {"with_flush_off": "flush_off", "with_horovod": "horovod_transport"}.get(key[3], args.variant)
+            variant = {"with_flush_off": "flush_off", "with_horovod": "horovod_transport",
+                       "with_packed": "packed_first"}.get(key[3], args.variant)
             records.append({**base, "variant": variant, "kind": "cost", "entry": key[0], "bytes": key[1],
                             "tensors": key[2],
                             "with_us": w, "without_us": wo, "cost_us": cost,
@@ -376,7 +406,8 @@ def _one_launch(launcher: str, variant: str, extra: dict[str, str], args: argpar
                   "--warmup", str(args.warmup), "--store", f"{tmp}/torch-store",
                   "--torch-python", str(args.torch_python), "--sizes", *map(str, args.sizes),
                   "--flush-off" if args.flush_off and variant == "default" else "--no-flush-off",
-                  "--other-transport" if args.other_transport else "--no-other-transport"]
+                  "--other-transport" if args.other_transport else "--no-other-transport",
+                  "--packed" if args.packed and variant == "default" else "--no-packed"]
         command = _common.two_rank_command(launcher, __file__, ["--worker", "--launcher", launcher, *worker])
         proc = subprocess.run(command, env=_common.launch_env(ROOT, extra), cwd=ROOT, capture_output=True, text=True,
                               timeout=args.timeout)
@@ -434,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--other-transport", action=argparse.BooleanOptionalAction, default=True,
                    help="add each with-step through Horovod's collectives (local_transport='horovod': what a job "
                         "across hosts uses), alternating with the default (default: on)")
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False,
+                   help="add each with-step with its buckets packed before hvrep's shared-memory all-reduce (the "
+                        "path before that transport took the parts themselves), alternating (default: off)")
     p.add_argument("--out", type=Path, default=Path("results/step_overhead.jsonl"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch (default 900)")
     p.add_argument("--torch-python", type=Path, default=TORCH_PYTHON,

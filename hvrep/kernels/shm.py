@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -73,6 +74,18 @@ class Native:
         """The sum of ``t`` over the ranks; ``key`` pairs the op across ranks (the same on each)."""
         return self._ops.hvrep_shm_allreduce(t, key=key)
 
+    @property
+    def gathers(self) -> bool:
+        """Whether the library has :meth:`allreduce_parts` (one built before it has not)."""
+        return hasattr(self._ops, "hvrep_shm_allreduce_parts")
+
+    def allreduce_parts(self, parts: Sequence[tf.Tensor], key: str, scale: float = 1.0, align: int = 1) -> tf.Tensor:
+        """The sum over the ranks of ``hvrep.kernels.pack(parts, None, scale, align)``, without the pack: the
+        transport copies each part (times ``scale``, as the pack multiplies) straight into its staging area. The
+        parts share one dtype of :data:`DTYPES`; the result is the packed buffer's sum, for
+        ``hvrep.kernels.unpack``."""
+        return self._ops.hvrep_shm_allreduce_parts(list(parts), tf.constant(scale, tf.float64), key=key, align=align)
+
 
 @tf.RegisterGradient("HvrepShmAllreduce")
 def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
@@ -81,6 +94,26 @@ def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
     nat = native()
     assert nat is not None  # the forward op ran, so the library is loaded
     return nat.allreduce(grad, key=op.get_attr("key").decode() + "/grad")
+
+
+@tf.RegisterGradient("HvrepShmAllreduceParts")
+def _allreduce_parts_grad(op: tf.Operation, grad: tf.Tensor) -> list[tf.Tensor | None]:
+    """The packed sum's gradient summed over the ranks (as :func:`_allreduce_grad`), cut into the parts' pieces
+    and multiplied by the scale: the pack's own gradient."""
+    nat = native()
+    assert nat is not None
+    parts, scale = op.inputs[:-1], op.inputs[-1]
+    summed = nat.allreduce(grad, key=op.get_attr("key").decode() + "/grad")
+    sizes = [tf.size(p) for p in parts]
+    starts, at = [], tf.constant(0, tf.int32)
+    align = op.get_attr("align")
+    for i, n in enumerate(sizes):
+        if i:
+            at = (at + align - 1) // align * align
+        starts.append(at)
+        at = at + n
+    return [*(tf.reshape(summed[s:s + n] * tf.cast(scale, p.dtype), tf.shape(p))
+              for p, s, n in zip(parts, starts, sizes, strict=True)), None]
 
 
 @functools.cache

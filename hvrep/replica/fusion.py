@@ -91,6 +91,7 @@ def fused_reduce(
     num_groups: int = 0,
     wire_dtype: tf.DType | None = None,
     prescale: float | None = None,
+    reduce_parts: Callable[[list[tf.Tensor], float, int], tf.Tensor | None] | None = None,
 ) -> list[tf.Tensor]:
     """Reduces ``tensors`` through one ``reduce_buffer`` call per bucket.
 
@@ -105,6 +106,12 @@ def fused_reduce(
         and back afterwards; None keeps each tensor's dtype.
       prescale: multiply before the cast (e.g. 1/N for a mean, so fp16 sums
         of many replicas do not overflow).
+      reduce_parts: where the collective can take the parts themselves
+        (``reduce_parts(parts, scale, align)``: the reduced buffer that
+        ``reduce_buffer(kernels.pack(parts, None, scale, align))`` gives, or
+        None where it cannot), a bucket that needs no cast goes to it
+        unpacked: hvrep's shared-memory all-reduce copies the parts into its
+        own staging area, saving the pack's pass over the bucket.
 
     Returns:
       The reduced tensors, in input order, with their shapes and dtypes.
@@ -121,21 +128,28 @@ def fused_reduce(
     nbytes = [int(tensors[i].shape.num_elements()) * wire[i].size for i in fixed]
     plan = [[fixed[j] for j in b] for b in plan_buckets(nbytes, [wire[i] for i in fixed], threshold, num_groups)]
     plan += [[i] for i in order if not tensors[i].shape.is_fully_defined()]
+    scale = 1.0 if prescale is None else prescale
     for bucket in plan:
         parts = [tensors[i] for i in bucket]
+        uncast = all(t.dtype == wire[i] for i, t in zip(bucket, parts, strict=True))
         if len(parts) > 1:  # only fully known shapes share a bucket
             # One op packs (scale, cast, copy) the bucket and one unpacks it
             # (hvrep.kernels: fused C++/CUDA where built, the same TF ops as
             # below elsewhere), instead of 2-3 small ops per tensor.
             align = _gap_align([t.shape.num_elements() for t in parts], wire[bucket[0]])
-            buffer = kernels.pack(parts, wire[bucket[0]], 1.0 if prescale is None else prescale, align)
-            pieces = kernels.unpack(reduce_buffer(buffer), [t.shape for t in parts], [t.dtype for t in parts],
-                                    align=align)
+            reduced = reduce_parts(parts, scale, align) if reduce_parts is not None and uncast else None
+            if reduced is None:
+                reduced = reduce_buffer(kernels.pack(parts, wire[bucket[0]], scale, align))
+            pieces = kernels.unpack(reduced, [t.shape for t in parts], [t.dtype for t in parts], align=align)
             for i, piece in zip(bucket, pieces, strict=True):
                 out[i] = piece
             continue
         # One tensor alone: reshaped with its runtime shape, so an unknown shape works too.
         (i,), (t,) = bucket, parts
+        reduced = reduce_parts(parts, scale, 1) if reduce_parts is not None and uncast else None
+        if reduced is not None:
+            out[i] = tf.reshape(reduced, tf.shape(t))
+            continue
         # The scale through float64 (tf.cast of a Python number would round it to float32 first), then to the
         # tensor's dtype as the pack rounds it.
         scaled = t if prescale is None else t * tf.cast(tf.constant(prescale, tf.float64), t.dtype)

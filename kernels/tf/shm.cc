@@ -4,7 +4,9 @@
 // under mpirun, TCP over loopback under horovodrun --gloo (about 1.9 ms for 589 KB on 2 ranks here, where the
 // step it serves takes 1.4 ms), and its background thread between the op and the wire either way. hvrep's
 // in-step reductions are buckets it has already fused, so on one host it can sum them itself: every rank maps
-// one file, copies its bucket in, sums its 1/N of it across the ranks, and copies the whole sum out.
+// one file, copies its bucket in, sums its 1/N of it across the ranks, and copies the whole sum out. A bucket
+// of several tensors (HvrepShmAllreduceParts) is copied in from the tensors themselves, laid out and scaled as
+// hvrep's pack would, so no packed copy of it is made first.
 //
 // Order. Ops are submitted by TensorFlow's executor in whatever order the dataflow allows, which may differ
 // between ranks. Rank 0's order is the order: its progress thread takes its ops in submission order and
@@ -58,6 +60,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "unsupported/Eigen/CXX11/Tensor"
+#include "hvrep_kernels.h"
 
 namespace hvrep {
 namespace shm {
@@ -144,13 +147,28 @@ uint64_t Fnv1a(const std::string& s) {
 
 int64_t DtypeSize(DataType dt) { return ::tensorflow::DataTypeSize(dt); }
 
+int HvrepDtype(DataType dt) {  // hvrep_kernels.h's code for the op's dtypes
+  switch (dt) {
+    case ::tensorflow::DT_HALF: return HVREP_F16;
+    case ::tensorflow::DT_BFLOAT16: return HVREP_BF16;
+    case ::tensorflow::DT_FLOAT: return HVREP_F32;
+    default: return HVREP_F64;
+  }
+}
+
 struct Op {
   uint64_t key;
   std::string name;
-  Tensor input;
-  Tensor* output;
+  Tensor input;  // HvrepShmAllreduce's tensor; unused by a gathering op
+  Tensor* output;  // its element count and dtype are the collective's
   std::function<void(absl::Status)> done;
   int64_t submitted_ns = 0;
+  // A gathering op (HvrepShmAllreduceParts): `parts` make the collective's input as hvrep's pack would lay them
+  // out, part i from element starts[i], zeros between, each multiplied by `scale`; they are copied from where
+  // they are straight into the staging area, so no packed copy of the bucket is made.
+  std::vector<Tensor> parts;
+  std::vector<int64_t> starts;
+  double scale = 1.0;
 };
 
 // What this process's transport has done since it opened, for `hvrep_shm_stats` (benchmarks/d4pg.py and
@@ -351,8 +369,8 @@ class Comm {
       pending_.pop_front();
       lock.unlock();
       a.key = op->key;
-      a.count = op->input.NumElements();
-      a.dtype = static_cast<int64_t>(op->input.dtype());
+      a.count = op->output->NumElements();
+      a.dtype = static_cast<int64_t>(op->output->dtype());
       Publish(&a.collective, c);
       return op;
     }
@@ -390,11 +408,11 @@ class Comm {
         return nullptr;
       }
     }
-    if (op->input.NumElements() != count || op->input.dtype() != dtype) {
+    if (op->output->NumElements() != count || op->output->dtype() != dtype) {
       const std::string why =
           "rank 0 reduces " + std::to_string(count) + " elements of " + ::tensorflow::DataTypeString(dtype) +
-          " where rank " + std::to_string(rank_) + " reduces " + std::to_string(op->input.NumElements()) + " of " +
-          ::tensorflow::DataTypeString(op->input.dtype()) + " under the same name (" + op->name +
+          " where rank " + std::to_string(rank_) + " reduces " + std::to_string(op->output->NumElements()) +
+          " of " + ::tensorflow::DataTypeString(op->output->dtype()) + " under the same name (" + op->name +
           "): the ranks run different steps. Fix: make every rank run the same step on tensors of the same "
           "shapes and dtypes";
       Break(why);
@@ -447,12 +465,41 @@ class Comm {
     }
   }
 
+  // Elements [from, from + n) of a gathering op's input, as hvrep's pack lays it out, into `dst`: each part's
+  // overlap multiplied by the scale as the pack multiplies (hvrep_pack_cpu; a plain copy at a scale of 1), zeros
+  // in the gaps between parts.
+  static void Gather(const Op& op, int64_t es, int64_t from, int64_t n, char* dst) {
+    const int64_t end = from + n;
+    const int hdt = HvrepDtype(op.output->dtype());
+    // The last part that starts at or before `from` (parts of no elements share the next one's start).
+    size_t i = std::upper_bound(op.starts.begin(), op.starts.end(), from) - op.starts.begin();
+    i = i > 0 ? i - 1 : 0;
+    int64_t pos = from;
+    for (; i < op.parts.size(); ++i) {
+      const int64_t s = op.starts[i], z = op.parts[i].NumElements();
+      if (s >= end) break;
+      if (s + z <= pos) continue;
+      const int64_t lo = std::max(pos, s), hi = std::min(end, s + z);
+      if (lo > pos) std::memset(dst + (pos - from) * es, 0, (lo - pos) * es);
+      const char* src = static_cast<const char*>(op.parts[i].data()) + (lo - s) * es;
+      if (op.scale == 1.0) {
+        std::memcpy(dst + (lo - from) * es, src, (hi - lo) * es);
+      } else {
+        const hvrep_tensor_ref ref{const_cast<char*>(src), hi - lo, hdt};
+        hvrep_pack_cpu(1, &ref, dst + (lo - from) * es, hdt, &op.scale, nullptr, nullptr);
+      }
+      pos = hi;
+    }
+    if (pos < end) std::memset(dst + (pos - from) * es, 0, (end - pos) * es);
+  }
+
   bool Reduce(Op* op) {
-    const DataType dt = op->input.dtype();
+    const DataType dt = op->output->dtype();
     const int64_t es = DtypeSize(dt);
-    const int64_t count = op->input.NumElements();
+    const int64_t count = op->output->NumElements();
     const int64_t per_chunk = cap_ / es;
-    const char* in = static_cast<const char*>(op->input.data());
+    const bool gather = !op->parts.empty();
+    const char* in = gather ? nullptr : static_cast<const char*>(op->input.data());
     char* out = static_cast<char*>(op->output->data());
     int64_t done = 0;
     do {
@@ -463,10 +510,17 @@ class Comm {
       const int64_t units = (n + grain - 1) / grain;
       const int64_t b = std::min(n, units * rank_ / size_ * grain);
       const int64_t e = std::min(n, units * (rank_ + 1) / size_ * grain);
-      // The others need every part of this rank's chunk but its own shard.
-      const char* mine = in + done * es;
-      if (b > 0) std::memcpy(Staging(t, rank_), mine, b * es);
-      if (n > e) std::memcpy(Staging(t, rank_) + e * es, mine + e * es, (n - e) * es);
+      // The others need every part of this rank's chunk but its own shard. A gathering op copies its own shard
+      // in as well (into this rank's staging area, in cache for the sum), since it lies in several parts.
+      const char* mine;
+      if (gather) {
+        Gather(*op, es, done, n, Staging(t, rank_));
+        mine = Staging(t, rank_);
+      } else {
+        mine = in + done * es;
+        if (b > 0) std::memcpy(Staging(t, rank_), mine, b * es);
+        if (n > e) std::memcpy(Staging(t, rank_) + e * es, mine + e * es, (n - e) * es);
+      }
       Publish(&hdr_->ranks[rank_].arrived, t);
       if (!WaitAll(offsetof(RankLine, arrived), t, "in an all-reduce (its inputs)")) return false;
       SumShard(dt, t, mine, b, e);
@@ -528,6 +582,28 @@ std::shared_ptr<Comm>* g_comm = new std::shared_ptr<Comm>();
 
 size_t FileBytes(int size, int64_t cap) { return kHeaderBytes + static_cast<size_t>(2 * size + 2) * cap; }
 
+// Hands `op` (its output allocated) to this process's transport; `done` runs when it ends.
+void SubmitOp(OpKernelContext* ctx, const AsyncOpKernel::DoneCallback& done, Op* op) {
+  std::shared_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    comm = *g_comm;
+  }
+  if (comm == nullptr) {
+    delete op;
+    ctx->SetStatus(absl::FailedPreconditionError(
+        "HvrepShmAllreduce: the shared-memory transport is not open in this process (a step traced while it was "
+        "open runs after it closed). Fix: trace the step again (a new Replicator)."));
+    done();
+    return;
+  }
+  op->done = [ctx, done](absl::Status s) {
+    if (!s.ok()) ctx->SetStatus(s);
+    done();
+  };
+  comm->Submit(op);  // outside g_mu: a failed op completes inline, and TF may run the next op here
+}
+
 class ShmAllreduceOp : public AsyncOpKernel {
  public:
   explicit ShmAllreduceOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
@@ -543,21 +619,7 @@ class ShmAllreduceOp : public AsyncOpKernel {
       done();
       return;
     }
-    std::shared_ptr<Comm> comm;
-    {
-      std::lock_guard<std::mutex> lock(g_mu);
-      comm = *g_comm;
-    }
-    OP_REQUIRES_ASYNC(ctx, comm != nullptr,
-                      absl::FailedPreconditionError(
-                          "HvrepShmAllreduce: the shared-memory transport is not open in this process (a step traced "
-                          "while it was open runs after it closed). Fix: trace the step again (a new Replicator)."),
-                      done);
-    auto* op = new Op{key_, name_, input, output, [ctx, done](absl::Status s) {
-                        if (!s.ok()) ctx->SetStatus(s);
-                        done();
-                      }};
-    comm->Submit(op);  // outside g_mu: a failed op completes inline, and TF may run the next op here
+    SubmitOp(ctx, done, new Op{key_, name_, input, output, nullptr});
   }
 
  private:
@@ -576,6 +638,91 @@ REGISTER_OP("HvrepShmAllreduce")
          "(hvrep/replica/shm.py). `key` pairs the op across ranks: the same on every rank for the same reduction.");
 
 REGISTER_KERNEL_BUILDER(Name("HvrepShmAllreduce").Device(::tensorflow::DEVICE_CPU), ShmAllreduceOp);
+
+// Where each part starts in the packed layout, as hvrep.kernels.packing._starts places them, and its length.
+int64_t PackedStarts(const std::vector<int64_t>& sizes, int64_t align, std::vector<int64_t>* starts) {
+  int64_t at = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i > 0) at = (at + align - 1) / align * align;
+    if (starts != nullptr) starts->push_back(at);
+    at += sizes[i];
+  }
+  return at;
+}
+
+class ShmAllreducePartsOp : public AsyncOpKernel {
+ public:
+  explicit ShmAllreducePartsOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("key", &name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("align", &align_));
+    key_ = Fnv1a(name_);
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    ::tensorflow::OpInputList parts;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("parts", &parts), done);
+    const Tensor& scale = ctx->input(parts.size());
+    OP_REQUIRES_ASYNC(ctx, ::tensorflow::TensorShapeUtils::IsScalar(scale.shape()),
+                      absl::InvalidArgumentError("HvrepShmAllreduceParts: scale must be a scalar"), done);
+    std::vector<int64_t> sizes, starts;
+    for (int i = 0; i < parts.size(); ++i) sizes.push_back(parts[i].NumElements());
+    const int64_t total = PackedStarts(sizes, align_, &starts);
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({total}), &output), done);
+    if (total == 0) {
+      done();
+      return;
+    }
+    auto* op = new Op{key_, name_, Tensor(), output, nullptr};
+    op->scale = scale.scalar<double>()();
+    if (parts.size() == 1 && op->scale == 1.0) {
+      op->input = parts[0];  // the layout is the tensor itself: its own shard is summed from it, as a plain op's
+    } else {
+      op->parts.assign(parts.begin(), parts.end());
+      op->starts = std::move(starts);
+    }
+    SubmitOp(ctx, done, op);
+  }
+
+ private:
+  std::string name_;
+  uint64_t key_ = 0;
+  int64_t align_ = 1;
+};
+
+REGISTER_OP("HvrepShmAllreduceParts")
+    .Input("parts: N * T")
+    .Input("scale: double")
+    .Output("sum: T")
+    .Attr("N: int >= 1")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("key: string")
+    .Attr("align: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      int64_t align = 1;
+      TF_RETURN_IF_ERROR(c->GetAttr("align", &align));
+      std::vector<int64_t> sizes;
+      for (int i = 0; i < c->num_inputs() - 1; ++i) {
+        ::tensorflow::shape_inference::ShapeHandle s = c->input(i);
+        if (!c->FullyDefined(s)) {
+          c->set_output(0, c->Vector(::tensorflow::shape_inference::InferenceContext::kUnknownDim));
+          return absl::OkStatus();
+        }
+        int64_t n = 1;
+        for (int d = 0; d < c->Rank(s); ++d) n *= c->Value(c->Dim(s, d));
+        sizes.push_back(n);
+      }
+      c->set_output(0, c->Vector(PackedStarts(sizes, align, nullptr)));
+      return absl::OkStatus();
+    })
+    .Doc("The sum over the ranks of one host of the rank-1 buffer hvrep's pack would make of `parts` (each "
+         "multiplied by `scale`, part i after the first starting at a multiple of `align` elements, zeros between), "
+         "through hvrep's shared-memory transport, which copies the parts into its staging area itself: no packed "
+         "buffer is made. `key` pairs the op across ranks.");
+
+REGISTER_KERNEL_BUILDER(Name("HvrepShmAllreduceParts").Device(::tensorflow::DEVICE_CPU).HostMemory("scale"),
+                        ShmAllreducePartsOp);
 
 int Fail(char* err, int errlen, const std::string& what) {
   if (err != nullptr && errlen > 0) {

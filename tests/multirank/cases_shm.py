@@ -17,8 +17,8 @@ def _reduce_bits(repl, tensors):
     return [o.numpy() for o in out]
 
 
-def _tensors():
-    rank = hvrep.resolve_placement().rank
+def _tensors(rank=None):
+    rank = hvrep.resolve_placement().rank if rank is None else rank
     rng = np.random.default_rng(1234 + rank)
     # One small bucket, one of 50 tensors, and one tensor larger than a 4 MiB chunk.
     sizes = [7, *([1000] * 50), 1_500_000]
@@ -56,10 +56,16 @@ def case_float_sums_go_through_it_and_integer_sums_through_horovod():
     backend = repl._backend
     real, traced = backend._shm, []
 
-    class Spy:  # records what the step traces into hvrep's op; the op itself runs
+    class Spy:  # records what the step traces into hvrep's ops; the ops themselves run
+        gathers = True
+
         def allreduce(self, t, key):
             traced.append(t.dtype.name)
             return real.allreduce(t, key=key)
+
+        def allreduce_parts(self, parts, key, scale, align):
+            traced.extend(t.dtype.name for t in parts)
+            return real.allreduce_parts(parts, key=key, scale=scale, align=align)
 
     backend._shm = Spy()
     try:
@@ -69,6 +75,42 @@ def case_float_sums_go_through_it_and_integer_sums_through_horovod():
     finally:
         backend._shm = real
         repl.close()
+
+
+def case_its_buckets_are_not_packed_first():
+    # A bucket goes to the transport as its parts, which it copies into its staging area itself: no pack op (a
+    # pass over the bucket) in the step. The unpack hands back slices of the sum as before.
+    repl = hvrep.Replicator("horovod", config=hvrep.CommConfig(local_transport="shm"))
+    real, calls = repl._backend._shm, []
+
+    class Spy:
+        gathers = True
+
+        def allreduce(self, t, key):
+            calls.append(("packed", 1))
+            return real.allreduce(t, key=key)
+
+        def allreduce_parts(self, parts, key, scale, align):
+            calls.append(("parts", len(parts)))
+            return real.allreduce_parts(parts, key=key, scale=scale, align=align)
+
+    repl._backend._shm = Spy()
+    try:
+        ts = _tensors()
+        step = tf.function(lambda *xs: hvrep.all_reduce(list(xs), "mean"))
+        out = repl.run(step, args=tuple(ts))
+        ops = {op.type for op in step.get_concrete_function(*ts).graph.get_operations()}
+    finally:
+        repl._backend._shm = real
+        repl.close()
+    assert calls and all(kind == "parts" for kind, _ in calls), calls
+    assert sum(n for _, n in calls) == len(ts), calls
+    assert "HvrepShmAllreduceParts" in ops and "HvrepPack" not in ops, sorted(ops)
+    # The mean of the two ranks' tensors, to float32's rounding (each half is exact, the sum rounds once).
+    mine, other = ts, _tensors(1 - hvrep.resolve_placement().rank)
+    for t, u, o in zip(mine, other, out, strict=True):
+        assert o.shape == t.shape
+        np.testing.assert_array_equal(o.numpy(), (t.numpy() * np.float32(0.5)) + (u.numpy() * np.float32(0.5)))
 
 
 def case_local_transport_is_validated_and_shm_can_be_required():

@@ -26,7 +26,8 @@ def lines(tmp_path_factory) -> dict[str, list[dict]]:
 
     def one(launcher: str) -> dict:
         out = tmp / f"{launcher}.jsonl"
-        cmd = [sys.executable, str(SCRIPT), "--quick", "--launchers", launcher, "--sizes", str(G), "--out", str(out)]
+        cmd = [sys.executable, str(SCRIPT), "--quick", "--packed", "--launchers", launcher, "--sizes", str(G),
+               "--out", str(out)]
         rc = harness.run_logged(cmd, tmp / f"{launcher}.log", timeout=300)
         assert rc == 0, f"{launcher}: exit {rc}\n{(tmp / f'{launcher}.log').read_text()[-4000:]}"
         return {"lines": [json.loads(x) for x in out.read_text().splitlines()]}
@@ -40,12 +41,11 @@ def lines(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("launcher", harness.LAUNCHERS)
 def test_every_entry_and_tensor_count_has_a_cost_line(lines, launcher):
     costs = [r for r in lines[launcher] if r["kind"] == "cost"]
-    # Each entry and tensor count twice, in the same rounds: the default (one host: hvrep's shared-memory
-    # all-reduce) and through Horovod's collectives.
-    other = "horovod_transport"
+    # Each entry and tensor count three times, in the same rounds: the default (one host: hvrep's shared-memory
+    # all-reduce), the same with the bucket packed first (--packed), and through Horovod's collectives.
     assert sorted((r["entry"], r["tensors"], r["variant"]) for r in costs) == sorted(
         (entry, n, variant) for entry in ("all_reduce", "wrap_optimizer") for n in (1, 50)
-        for variant in ("default", other))
+        for variant in ("default", "packed_first", "horovod_transport"))
     for r in costs:
         assert (r["benchmark"], r["launcher"], r["ranks"], r["bytes"]) == ("step_overhead", launcher, 2, G)
         assert len(r["with_us"]) == len(r["without_us"]) == len(r["cost_us"]) == ROUNDS
@@ -53,11 +53,11 @@ def test_every_entry_and_tensor_count_has_a_cost_line(lines, launcher):
 
 @pytest.mark.parametrize("launcher", harness.LAUNCHERS)
 def test_the_shared_memory_all_reduce_splits_its_own_time(lines, launcher):
-    # The default variant goes through hvrep's shared-memory all-reduce (both ranks on this host): its counters
-    # give each round's all-reduce per step, the part spent waiting for the other rank, and the hand-over. The
-    # variant through Horovod's collectives has no such split.
+    # The default variant goes through hvrep's shared-memory all-reduce (both ranks on this host), packed first or
+    # not: its counters give each round's all-reduce per step, the part spent waiting for the other rank, and the
+    # hand-over. The variant through Horovod's collectives has no such split.
     for r in (r for r in lines[launcher] if r["kind"] == "cost"):
-        if r["variant"] != "default":
+        if r["variant"] not in ("default", "packed_first"):
             assert "shm_allreduce_us" not in r, r
             continue
         assert len(r["shm_allreduce_us"]) == len(r["shm_wait_us"]) == len(r["shm_handover_us"]) == ROUNDS, r

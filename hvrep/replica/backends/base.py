@@ -20,6 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from hvrep import kernels
 from hvrep.compat import keras_batch_norm
 from hvrep.errors import CollectiveError
 from hvrep.replica import context, fusion
@@ -220,10 +221,19 @@ class Backend(abc.ABC):
                 self.collective_calls += 1
                 return reduce_bf16_as_f32(buf, "sum", n, lambda w: self._counted_wire(w, "sum"))
 
+            def reduce_parts(parts: list[tf.Tensor], scale: float, align: int) -> tf.Tensor | None:
+                got = self._reduce_parts(parts, scale, align)
+                if got is not None:
+                    self.collective_calls += 1
+                    sizes = [t.shape.num_elements() for t in parts]
+                    if None not in sizes:
+                        self.reduced_bytes += kernels.packed_length(sizes, align) * parts[0].dtype.size
+                return got
+
             reduced = fusion.fused_reduce([tensors[i] for i in floats], reduce_buffer,
                                           self.fusion_threshold_bytes, self.config.num_groups,
                                           wire_dtype=WIRE_DTYPES[self.config.compression] if compress else None,
-                                          prescale=1.0 / n if op == "mean" else None)
+                                          prescale=1.0 / n if op == "mean" else None, reduce_parts=reduce_parts)
             for i, r in zip(floats, reduced, strict=True):
                 out[i] = r
         for i, t in enumerate(tensors):
@@ -252,6 +262,12 @@ class Backend(abc.ABC):
         n = t.shape.num_elements()
         self.reduced_bytes += 0 if n is None else int(n) * t.dtype.size
         return self._reduce_wire(t, op)
+
+    def _reduce_parts(self, parts: list[tf.Tensor], scale: float, align: int) -> tf.Tensor | None:
+        """The sum over the replicas of ``hvrep.kernels.pack(parts, None, scale, align)``, in one collective that
+        takes the parts where they are (no packed copy), where this backend has one; None where it has not (the
+        caller packs). The parts share one floating-point dtype."""
+        return None
 
     @abc.abstractmethod
     def _reduce_wire(self, t: tf.Tensor, op: str) -> tf.Tensor:

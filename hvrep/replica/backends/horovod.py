@@ -557,6 +557,18 @@ class HorovodBackend(Backend):
         name = None if tf.executing_eagerly() else f"HorovodAllreduce_{horovod_patches.FLUSH_NAME}_{_op_name(t)}"
         return self.hvd.allreduce(t, op=self._hvd_op(op), name=name)
 
+    def _reduce_parts(self, parts: list[tf.Tensor], scale: float, align: int) -> tf.Tensor | None:
+        dtype = parts[0].dtype
+        if (self._shm is None or tf.executing_eagerly() or dtype not in shm.native_shm.DTYPES
+                or dtype == tf.bfloat16 or not self._shm.gathers):
+            return None  # bfloat16 keeps _reduce_wire's float32 path (reduce_bf16_as_f32), as Horovod needs
+        # The key pairs the op across ranks as _reduce_wire's does, from the parts' names in the traced step (the
+        # same on every rank), with the scale and layout: two ops of one key must reduce the same thing.
+        names = "|".join(t.name for t in parts) + f"|{scale!r}|{align}"
+        digest = hashlib.blake2b(names.encode(), digest_size=8).hexdigest()
+        return activity.watched(self._shm.allreduce_parts, "allreduce", lambda: self._doing or _OUTSIDE_RUN)(
+            parts, key=f"hvrep_shm_{_op_name(parts[0])}_{len(parts)}_{digest}", scale=scale, align=align)
+
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor:
         self._on_collective("all_gather", [x], str(axis))
         self.collective_calls += 1

@@ -57,6 +57,49 @@ def main() -> None:
                 sums[f"{dtype.name}/{n}"] = {"wrong": int(np.sum(got.numpy().view(np.uint8) != want.view(np.uint8))),
                                              "bits": got.numpy().tobytes().hex(), "shape": list(got.shape)}
         result["sums"] = sums
+    elif mode == "parts":
+        # allreduce_parts against the pack it replaces, nat.allreduce(pack(...)): the same bits, and for a scale
+        # of 1 or 0.5 (exact on these small integers) the exact sum. Parts of 100, 300, 7, 0, 1,500 and 3 elements
+        # at 64-byte alignment: gaps between them, a chunk boundary (1,024 floats) inside the 1,500.
+        from hvrep import kernels
+
+        sizes = (100, 300, 7, 0, 1500, 3)
+        found = {}
+        for dtype in shm.DTYPES:
+            align = kernels.align_for(dtype)
+            for scale in (1.0, 0.5, 1 / 3):
+                parts = [inputs(rank, n, dtype) + i for i, n in enumerate(sizes)]
+                tag = f"{dtype.name}_{scale:.3f}"
+
+                @tf.function
+                def both(parts, tag=tag, scale=scale, align=align):
+                    return (nat.allreduce_parts(parts, key=f"parts_{tag}", scale=scale, align=align),
+                            nat.allreduce(kernels.pack(parts, None, scale, align), key=f"packed_{tag}"))
+
+                got, packed = both(parts)
+                exact = sum(tf.cast(kernels.pack([inputs(r, n, dtype) + i for i, n in enumerate(sizes)], None,
+                                                  1.0, align), tf.float64) for r in range(size)) * scale
+                want = tf.cast(exact, dtype).numpy()
+                found[tag] = {"shape": list(got.shape), "static": both.get_concrete_function(parts)
+                              .structured_outputs[0].shape.as_list(),
+                              "same_as_packed": bool(np.array_equal(got.numpy().view(np.uint8),
+                                                                    packed.numpy().view(np.uint8))),
+                              "wrong": int(np.sum(got.numpy().view(np.uint8) != want.view(np.uint8))),
+                              "bits": got.numpy().tobytes().hex()}
+        # A part of unknown shape when traced, and the gradient: the pack's, summed over the ranks.
+        spec = [tf.TensorSpec([None], tf.float32), tf.TensorSpec([2, 3], tf.float32)]
+
+        @tf.function(input_signature=[spec])
+        def grad(parts):
+            with tf.GradientTape() as tape:
+                tape.watch(parts)
+                y = nat.allreduce_parts(parts, key="g", scale=0.5, align=16)
+                loss = float(rank + 1) * tf.reduce_sum(y * tf.range(tf.size(y), dtype=tf.float32))
+            return y, tape.gradient(loss, parts)
+
+        y, (ga, gb) = grad([tf.ones([5]), tf.ones([2, 3])])
+        found["grad"] = {"y": y.numpy().tolist(), "a": ga.numpy().tolist(), "b": gb.numpy().tolist()}
+        result["parts"] = found
     elif mode == "order":
         # Rank 0 submits b first, rank 1 submits a first: the ranks' executors issue the two in opposite orders.
         late = "a" if rank == 0 else "b"

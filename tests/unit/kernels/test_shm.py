@@ -51,6 +51,32 @@ def test_sums_are_exact_and_the_same_bits_on_every_rank(tmp_path):
             assert other["sums"][key]["bits"] == got["bits"], key
 
 
+def test_the_parts_op_sums_what_the_pack_would_make_without_making_it(tmp_path):
+    # 3 ranks; parts with gaps between them and a chunk boundary inside one; scales 1, 0.5 and 1/3.
+    ranks = run_ranks(tmp_path, "parts", size=3)
+    assert len(ranks) == 3
+    found = ranks[0]["parts"]
+    assert len(found) == 4 * 3 + 1
+    for tag, got in found.items():
+        if tag == "grad":
+            continue
+        # float32 (16-element alignment): 100 at 0, 300 at 112, 7 at 416, 0 and 1,500 at 432, 3 at 1,936: 1,939
+        # elements; float64 (8): 0, 104, 408, 416, 1,920: 1,923; 2-byte types (32): 0, 128, 448, 480, 1,984: 1,987.
+        assert got["shape"] == got["static"] == [{"float16": 1987, "bfloat16": 1987, "float32": 1939,
+                                                  "float64": 1923}[tag.split("_")[0]]], (tag, got)
+        assert got["same_as_packed"], tag
+        if not tag.endswith("0.333"):  # a third is not exact: the bits are the pack's, checked above
+            assert got["wrong"] == 0, (tag, got["wrong"])
+        for other in ranks[1:]:
+            assert other["parts"][tag]["bits"] == got["bits"], tag
+    # y: the packed sum of 0.5 * ones over 3 ranks: 1.5 at the 5 + 6 part elements, 0 in the gap (5 -> 16).
+    g = found["grad"]
+    assert g["y"] == [1.5] * 5 + [0.0] * 11 + [1.5] * 6, g
+    # dloss/dy_j = j * (1 + 2 + 3) summed over the ranks, times the scale 0.5, at each part's place.
+    assert g["a"] == [3.0 * j for j in range(5)], g
+    assert g["b"] == [[3.0 * j for j in range(16, 19)], [3.0 * j for j in range(19, 22)]], g
+
+
 def test_the_ranks_may_issue_the_ops_in_different_orders(tmp_path):
     # Rank 0's executor issues b before a, rank 1's a before b: matched by key, not by arrival.
     ranks = run_ranks(tmp_path, "order", timeout=90)
