@@ -60,7 +60,6 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "unsupported/Eigen/CXX11/Tensor"
-#include "hvrep_kernels.h"
 
 namespace hvrep {
 namespace shm {
@@ -147,12 +146,22 @@ uint64_t Fnv1a(const std::string& s) {
 
 int64_t DtypeSize(DataType dt) { return ::tensorflow::DataTypeSize(dt); }
 
-int HvrepDtype(DataType dt) {  // hvrep_kernels.h's code for the op's dtypes
+// dst[j] = src[j] * T(scale), the multiply in T (half and bfloat16: in float, rounded once), as hvrep's pack
+// multiplies (kernels/src/cpu.cc, PackSpan; the parts test checks the bits against it).
+template <typename T>
+void ScaledCopy(const char* src, char* dst, int64_t n, double scale) {
+  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+  Eigen::Map<Arr>(reinterpret_cast<T*>(dst), n) =
+      Eigen::Map<const Arr>(reinterpret_cast<const T*>(src), n) * static_cast<T>(scale);
+}
+
+void ScaledCopy(DataType dt, const char* src, char* dst, int64_t n, double scale) {
   switch (dt) {
-    case ::tensorflow::DT_HALF: return HVREP_F16;
-    case ::tensorflow::DT_BFLOAT16: return HVREP_BF16;
-    case ::tensorflow::DT_FLOAT: return HVREP_F32;
-    default: return HVREP_F64;
+    case ::tensorflow::DT_HALF: return ScaledCopy<Eigen::half>(src, dst, n, scale);
+    case ::tensorflow::DT_BFLOAT16: return ScaledCopy<Eigen::bfloat16>(src, dst, n, scale);
+    case ::tensorflow::DT_FLOAT: return ScaledCopy<float>(src, dst, n, scale);
+    case ::tensorflow::DT_DOUBLE: return ScaledCopy<double>(src, dst, n, scale);
+    default: return;  // the op's dtype constraint admits no other
   }
 }
 
@@ -466,11 +475,11 @@ class Comm {
   }
 
   // Elements [from, from + n) of a gathering op's input, as hvrep's pack lays it out, into `dst`: each part's
-  // overlap multiplied by the scale as the pack multiplies (hvrep_pack_cpu; a plain copy at a scale of 1), zeros
-  // in the gaps between parts.
+  // overlap multiplied by the scale as the pack multiplies (a plain copy at a scale of 1), zeros in the gaps
+  // between parts.
   static void Gather(const Op& op, int64_t es, int64_t from, int64_t n, char* dst) {
     const int64_t end = from + n;
-    const int hdt = HvrepDtype(op.output->dtype());
+    const DataType dt = op.output->dtype();
     // The last part that starts at or before `from` (parts of no elements share the next one's start).
     size_t i = std::upper_bound(op.starts.begin(), op.starts.end(), from) - op.starts.begin();
     i = i > 0 ? i - 1 : 0;
@@ -485,8 +494,7 @@ class Comm {
       if (op.scale == 1.0) {
         std::memcpy(dst + (lo - from) * es, src, (hi - lo) * es);
       } else {
-        const hvrep_tensor_ref ref{const_cast<char*>(src), hi - lo, hdt};
-        hvrep_pack_cpu(1, &ref, dst + (lo - from) * es, hdt, &op.scale, nullptr, nullptr);
+        ScaledCopy(dt, src, dst + (lo - from) * es, hi - lo, op.scale);
       }
       pos = hi;
     }
