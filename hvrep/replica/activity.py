@@ -189,14 +189,16 @@ class Watched:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
         if name in HOROVOD_COLLECTIVES and callable(value):
-            return functools.partial(_watched_call, name, value, self._context)
+            return functools.partial(_watched_call, name, value, self._context, None)
         return value
 
 
-def watched(fn: Callable[..., Any], op: str, context: Callable[[], str]) -> Callable[..., Any]:
+def watched(fn: Callable[..., Any], op: str, context: Callable[[], str], describe: Any = None) -> Callable[..., Any]:
     """``fn`` (a collective outside Horovod's module: hvrep's shared-memory all-reduce) marked as Watched marks
-    Horovod's: the watchdog sees a rank inside it, labelled ``op``."""
-    return functools.partial(_watched_call, op, fn, context)
+    Horovod's: the watchdog sees a rank inside it, labelled ``op`` and its first argument's dtypes and shapes, or
+    ``describe``'s where given (a ``tf.TensorSpec`` of the buffer a collective of a bucket's parts reduces, so its
+    label reads as the packed buffer's does on every transport)."""
+    return functools.partial(_watched_call, op, fn, context, describe)
 
 
 def _signature(value: Any) -> str:
@@ -205,12 +207,14 @@ def _signature(value: Any) -> str:
     return ",".join(parts) + (f",+{len(flat) - 4}" if len(flat) > 4 else "")
 
 
-def _watched_call(op: str, fn: Callable[..., Any], context: Callable[[], str], /, *args: Any, **kwargs: Any) -> Any:
+def _watched_call(op: str, fn: Callable[..., Any], context: Callable[[], str], describe: Any, /, *args: Any,
+                  **kwargs: Any) -> Any:
     # Positional-only: Horovod's own functions take `name=`.
     activity = _BOUND
     if activity is None:
         return fn(*args, **kwargs)
-    label = f"{context()}: {op} {_signature(args[0] if args else None)}".rstrip()
+    label = f"{context()}: {op} {_signature(describe if describe is not None else args[0] if args else None)}"
+    label = label.rstrip()
     if tf.executing_eagerly():
         with activity.inside(label):
             return fn(*args, **kwargs)

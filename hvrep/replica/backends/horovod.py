@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvrep import _env, compat
+from hvrep import _env, compat, kernels
 from hvrep.compat import gloo_sockets, horovod_patches, removed_worker
 from hvrep.errors import CollectiveError, ConfigError, ReplicaMismatchError, SetupError
 from hvrep.replica import activity, shm, watchdog
@@ -566,7 +566,11 @@ class HorovodBackend(Backend):
         # same on every rank), with the scale and layout: two ops of one key must reduce the same thing.
         names = "|".join(t.name for t in parts) + f"|{scale!r}|{align}"
         digest = hashlib.blake2b(names.encode(), digest_size=8).hexdigest()
-        return activity.watched(self._shm.allreduce_parts, "allreduce", lambda: self._doing or _OUTSIDE_RUN)(
+        # The watchdog's label names the packed buffer, as it does where the bucket is packed (across hosts).
+        sizes = [t.shape.num_elements() for t in parts]
+        packed = tf.TensorSpec([None if None in sizes else kernels.packed_length(sizes, align)], dtype)
+        return activity.watched(self._shm.allreduce_parts, "allreduce", lambda: self._doing or _OUTSIDE_RUN,
+                                describe=packed)(
             parts, key=f"hvrep_shm_{_op_name(parts[0])}_{len(parts)}_{digest}", scale=scale, align=align)
 
     def all_gather(self, x: tf.Tensor, axis: int) -> tf.Tensor:
