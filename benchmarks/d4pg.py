@@ -5,6 +5,7 @@ with the same total actors; learner steps/s scaling; and ``--stall``: one rank's
     python benchmarks/d4pg.py --stall --out results/d4pg.jsonl          # 2 ranks; SIGSTOP rank 0's actors 10 s
     python benchmarks/d4pg.py --learner-only --rounds 3 --out results/d4pg.jsonl   # learners alone, 1 vs 2 ranks
     python benchmarks/d4pg.py --learner-only --env HOROVOD_CYCLE_TIME=0.1        # the same, Horovod's cycle 0.1 ms
+    python benchmarks/d4pg.py --learner-only --interleave 1 --cycles 20          # the same, contenders 1 s in turn
 
 Each run is ``examples.d4pg.train`` (1 rank: one process; 2: ``horovodrun --gloo``) in a fresh folder, one run at a
 time. JSON lines: ``curve`` (one per evaluation: ranks, learner step, seconds since the run's start, the mean
@@ -33,6 +34,15 @@ thread), "python" (the rest: Horovod's and Gloo's threads)) and
 ``learner_scaling`` lines (2 ranks' transitions/s over the same round's 1 rank; for the 2-rank launchers also
 ``of_ceiling``, over the same round's ``2 x 1 rank apart``). ``--env KEY=VALUE`` sets a variable in every launch
 (e.g. ``HOROVOD_CYCLE_TIME=0.1``; the launcher's own variables are otherwise dropped).
+
+``--learner-only --interleave SECONDS``: the same four contenders, each launched once and kept warm, run in turn
+SECONDS at a time (``--cycles`` cycles, the order rotating) while the others' processes are stopped (SIGSTOP): all
+four are measured within seconds of each other, many times over, where whole launches in ``--rounds`` are minutes
+apart on a machine whose speed moves by 10-25% over that time. ``learner_interleaved`` lines (per contender: steps/s
+and transitions/s over all its windows, the slower process's for two; the per-window 10th-90th percentiles; the
+typical step's time and its slow tail; ``steps_while_stopped``, which is 0 when the stops held) and
+``learner_interleaved_scaling`` lines (2 processes over 1 rank, and over ``2 x 1 rank apart``: the whole run's ratio
+and the median and 10th-90th percentiles of each cycle's).
 """
 
 from __future__ import annotations
@@ -199,6 +209,8 @@ APART = "2 x 1 rank apart"
 LEARNER_CONTENDERS = ("1 rank", "2 ranks mpirun", "2 ranks horovodrun", APART)
 # For APART's two processes: the core each takes, and a folder where each marks its start (a file barrier).
 CORE_VAR, BARRIER_VAR = "D4PG_LEARNER_CORE", "D4PG_LEARNER_BARRIER"
+# --interleave: the folder where a worker marks itself ready and leaves its steps' end times, and its contender's tag.
+STAMPS_VAR, TAG_VAR = "D4PG_LEARNER_STAMPS", "D4PG_LEARNER_TAG"
 TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of a thread's CPU time
 
 
@@ -242,6 +254,9 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
         return np.asarray([n / seconds, 1e3 * cpu / n, (r1.ru_nvcsw - r0.ru_nvcsw) / n]), threads
 
     run(20, 1)
+    if os.environ.get(STAMPS_VAR):  # --interleave: steps until told to stop, each one's end time kept
+        return _stamped_steps(Path(os.environ[STAMPS_VAR]), f"{os.environ[TAG_VAR]}.{local}", cfg.per_replica_batch,
+                              lambda i: agent.train_step(rows[rng.integers(0, len(rows), per_step)], 21 + i))
     if os.environ.get(BARRIER_VAR):  # APART: both processes start timing together
         _file_barrier(Path(os.environ[BARRIER_VAR]), local, 2)
     before = shm.stats()
@@ -272,6 +287,39 @@ def _learner_worker(steps: int, settings: list[str]) -> int:
               flush=True)
     repl.close()
     return 0
+
+
+def _stamped_steps(folder: Path, tag: str, batch: int, step: Any) -> int:
+    """``--interleave``'s worker after its warm-up: marks itself ready (``folder/ready.<tag>``: its pid, for the
+    controller's SIGSTOP and SIGCONT, and its per-replica batch), then runs ``step(i)`` for i = 0, 1, ... and keeps
+    each step's end (``time.perf_counter``: CLOCK_MONOTONIC, one clock for every process of the host). A thread
+    waits for ``folder/stop``, writes the times to ``folder/<tag>.npy`` and ends the process without finishing the
+    step it is in (a rank may be stopped inside its collective's wait); it waits half a second first, so that a
+    launcher that ends the other ranks once one has gone does not end one before it has written its times."""
+    import threading
+
+    import numpy as np
+
+    ends = np.zeros(4_000_000)
+    done = [0]
+
+    def watch() -> None:
+        while not (folder / "stop").exists():
+            time.sleep(0.02)
+        tmp = folder / f"{tag}.tmp.npy"
+        np.save(tmp, ends[:done[0]])
+        tmp.rename(folder / f"{tag}.npy")
+        time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="stamps").start()
+    (folder / f"ready.{tag}.tmp").write_text(json.dumps({"pid": os.getpid(), "per_replica_batch": batch}))
+    (folder / f"ready.{tag}.tmp").rename(folder / f"ready.{tag}")
+    for i in range(len(ends)):
+        step(i)
+        ends[i] = time.perf_counter()
+        done[0] = i + 1
+    raise SystemExit(f"d4pg learner {tag}: {len(ends)} steps and no stop from the controller")
 
 
 def _thread_cpu() -> dict[str, tuple[str, int]]:
@@ -385,6 +433,140 @@ def learner_only(rounds: int, steps: int, settings: list[str], timeout: float,
     return records
 
 
+def _tag(contender: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in contender)
+
+
+def learner_interleaved(window: float, cycles: int, settings: list[str], timeout: float,
+                        extra_env: dict[str, str] | None = None, settle: float = 0.1) -> list[dict[str, Any]]:
+    """The four contenders launched once each and kept warm, then run in turn ``window`` seconds at a time for
+    ``cycles`` cycles (the order rotating by one each cycle), every other contender's processes stopped
+    (SIGSTOP) meanwhile: each cycle measures all four within ``4 x window`` seconds, so a change in the shared
+    machine's speed (it moves by 10-25% over seconds to minutes) reaches every contender of a cycle alike.
+
+    A contender's steps/s in a window are the steps that ended in it after its first ``settle`` seconds, over
+    that time; for two processes the slower's. ``learner_interleaved`` lines: per contender, the whole run's
+    steps/s and transitions/s and the per-window spread; ``learner_interleaved_scaling``: per 2-process
+    contender, the median over cycles of the cycle's ratio to 1 rank (and to ``2 x 1 rank apart``), with the
+    10th-90th percentiles, and the ratio of the whole run's rates."""
+    import numpy as np
+
+    env = {**_env(), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})}
+    with tempfile.TemporaryDirectory(prefix="d4pg-interleave-") as tmp:
+        folder = Path(tmp)
+        procs: list[subprocess.Popen] = []
+        pids: dict[str, list[int]] = {}
+        load0 = os.getloadavg()[0]
+        try:
+            for contender in LEARNER_CONTENDERS:  # launched and warmed one at a time, then stopped
+                tag = _tag(contender)
+                mine = {**env, STAMPS_VAR: str(folder), TAG_VAR: tag}
+                count = 2 if contender != "1 rank" else 1
+                logs = [folder / f"{tag}.{i}.log" for i in range(count if contender == APART else 1)]
+                started = []
+                for i, log in enumerate(logs):
+                    with open(log, "w") as f:
+                        started.append(subprocess.Popen(
+                            _learner_command("1 rank" if contender == APART else contender, 0, settings), cwd=ROOT,
+                            env={**mine, CORE_VAR: str(i)} if contender == APART else mine, stdout=f,
+                            stderr=subprocess.STDOUT))
+                procs += started
+                deadline = time.monotonic() + timeout
+                while len(ready := sorted(folder.glob(f"ready.{tag}.[0-9]"))) < count:
+                    if any(p.poll() is not None for p in started) or time.monotonic() > deadline:
+                        tails = "\n".join(log.read_text()[-2000:] for log in logs)
+                        raise RuntimeError(f"d4pg --interleave: {contender!r} did not start (exit codes "
+                                           f"{[p.poll() for p in started]}, {len(ready)} of {count} ready):\n{tails}")
+                    time.sleep(0.05)
+                marks = [json.loads(f.read_text()) for f in ready]
+                pids[contender] = [m["pid"] for m in marks]
+                batch = marks[0]["per_replica_batch"]
+                for pid in pids[contender]:
+                    os.kill(pid, signal.SIGSTOP)
+            windows: dict[str, list[tuple[int, float, float]]] = {c: [] for c in LEARNER_CONTENDERS}
+            for k in range(cycles):
+                for j in range(len(LEARNER_CONTENDERS)):
+                    contender = LEARNER_CONTENDERS[(j + k) % len(LEARNER_CONTENDERS)]
+                    for pid in pids[contender]:
+                        os.kill(pid, signal.SIGCONT)
+                    t0 = time.perf_counter()
+                    time.sleep(window)
+                    t1 = time.perf_counter()
+                    for pid in pids[contender]:
+                        os.kill(pid, signal.SIGSTOP)
+                    windows[contender].append((k, t0 + settle, t1))
+            load1 = os.getloadavg()[0]
+        finally:
+            (folder / "stop").touch()
+            for pid in (pid for ps in pids.values() for pid in ps):
+                os.kill(pid, signal.SIGCONT)
+            for p in procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        ends = {c: [np.load(folder / f"{_tag(c)}.{i}.npy") for i in range(2 if c != "1 rank" else 1)]
+                for c in LEARNER_CONTENDERS}
+    records: list[dict[str, Any]] = []
+    per_cycle: dict[str, np.ndarray] = {}
+    for contender in LEARNER_CONTENDERS:
+        counts = np.asarray([[np.count_nonzero((e > lo) & (e <= hi)) for e in ends[contender]]
+                             for _, lo, hi in windows[contender]], np.float64)  # windows x processes
+        seconds = np.asarray([hi - lo for _, lo, hi in windows[contender]])
+        rates = (counts / seconds[:, None]).min(axis=1)
+        per_cycle[contender] = rates
+        procs_n = counts.shape[1]
+        # Each step's time (consecutive ends inside one window), every process's pooled: the typical step, and the
+        # slow tail that a rank waiting for the slower one once a step pays for, where two 1-rank learners do not.
+        # Steps that ended while another contender ran (after its window's first 20 ms): 0 if SIGSTOP held them.
+        others = [(lo - settle + 0.02, hi) for c in LEARNER_CONTENDERS if c != contender for _, lo, hi in windows[c]]
+        stray = sum(int(np.count_nonzero((e > lo) & (e <= hi))) for e in ends[contender] for lo, hi in others)
+        steps_ms = 1e3 * np.concatenate([np.diff(e[(e > lo) & (e <= hi)]) for e in ends[contender]
+                                         for _, lo, hi in windows[contender]])
+        whole = float((counts.sum(axis=0) / seconds.sum()).min())
+        lockstep = {}
+        if contender == APART:
+            # The two learners' own steps, paired in order within each window, as if each waited for the other
+            # once a step through an all-reduce that costs nothing: the rate a 2-rank learner would reach with
+            # this machine's step-to-step variation and no communication at all.
+            paired = [np.diff(e[(e > lo) & (e <= hi)]) for _, lo, hi in windows[contender] for e in ends[contender]]
+            n = [min(len(a), len(b)) for a, b in zip(paired[::2], paired[1::2], strict=True)]
+            waited = sum(float(np.maximum(a[:k], b[:k]).sum()) for a, b, k in zip(paired[::2], paired[1::2], n,
+                                                                                  strict=True))
+            lockstep = {"lockstep_steps_per_sec": round(sum(n) / waited, 2),
+                        "lockstep_transitions_per_sec": round(sum(n) / waited * batch * 2, 1)}
+        records.append({"kind": "learner_interleaved", "contender": contender, "window_sec": window,
+                        "settle_sec": settle, "cycles": cycles, "env": extra_env or {},
+                        "load": [round(load0, 2), round(load1, 2)], "per_replica_batch": batch,
+                        "steps_per_sec": round(whole, 2),
+                        "transitions_per_sec": round(whole * batch * procs_n, 1),
+                        "steps_per_sec_p10_p90": [round(float(np.percentile(rates, q)), 2) for q in (10, 90)],
+                        "steps_counted": int(counts.min(axis=1).sum()), "steps_while_stopped": stray,
+                        "step_ms_median": round(float(np.median(steps_ms)), 3),
+                        "step_ms_mean": round(float(np.mean(steps_ms)), 3),
+                        "step_ms_p90_p99": [round(float(np.percentile(steps_ms, q)), 3) for q in (90, 99)],
+                        **lockstep})
+    whole = {r["contender"]: r["transitions_per_sec"] for r in records}
+    lockstep_ceiling = records[LEARNER_CONTENDERS.index(APART)]["lockstep_transitions_per_sec"]
+    for contender in LEARNER_CONTENDERS[1:]:
+        ratio = 2 * per_cycle[contender] / per_cycle["1 rank"]
+        line = {"kind": "learner_interleaved_scaling", "contender": contender, "env": extra_env or {},
+                "transitions_per_sec_2_over_1": round(whole[contender] / whole["1 rank"], 3),
+                "cycle_median_2_over_1": round(float(np.median(ratio)), 3),
+                "cycle_p10_p90_2_over_1": [round(float(np.percentile(ratio, q)), 3) for q in (10, 90)]}
+        if contender != APART:
+            of = per_cycle[contender] / per_cycle[APART]
+            line.update({"of_ceiling": round(whole[contender] / whole[APART], 3),
+                         "cycle_median_of_ceiling": round(float(np.median(of)), 3),
+                         "cycle_p10_p90_of_ceiling": [round(float(np.percentile(of, q)), 3) for q in (10, 90)],
+                         "of_lockstep_ceiling": round(whole[contender] / lockstep_ceiling, 3)})
+        else:
+            line["lockstep_2_over_1"] = round(lockstep_ceiling / whole["1 rank"], 3)
+        records.append(line)
+    return records
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="learner ranks, one run each")
@@ -404,6 +586,10 @@ def main() -> int:
                    help="with --learner-only: timed learner steps per launch (default 300)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="with --learner-only: a variable for every launch (repeatable), e.g. HOROVOD_CYCLE_TIME=0.1")
+    p.add_argument("--interleave", type=float, default=None, metavar="SECONDS",
+                   help="with --learner-only: launch each contender once, keep it warm, and run them in turn SECONDS "
+                        "at a time (the others stopped), --cycles times, instead of --rounds of whole launches")
+    p.add_argument("--cycles", type=int, default=20, help="with --interleave: cycles of the four contenders (20)")
     p.add_argument("--learner-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("settings", nargs="*", help="extra key=value settings for examples.d4pg.train")
     args = p.parse_args()
@@ -415,7 +601,13 @@ def main() -> int:
         if bad:
             p.error(f"--env takes KEY=VALUE, got {bad[0]!r}; e.g. --env HOROVOD_CYCLE_TIME=0.1")
         extra_env = dict(e.split("=", 1) for e in args.env)
-        records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout, extra_env)
+        if args.interleave is not None:
+            if not 0.2 <= args.interleave <= 10 or args.cycles < 1:
+                p.error(f"--interleave takes 0.2-10 seconds and --cycles at least 1, got {args.interleave:g} and "
+                        f"{args.cycles}; e.g. --interleave 1 --cycles 20")
+            records += learner_interleaved(args.interleave, args.cycles, args.settings, args.timeout, extra_env)
+        else:
+                records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout, extra_env)
     elif args.stall:
         # A replay of 4000 rows per rank (16 s of one actor's 250 steps/s): with its actors running, its samples'
         # age stays level, so the stall's rise shows (the default 200,000 rows grow older all run long).

@@ -2,7 +2,8 @@
 horovodrun --gloo, two 1-rank learners apart on a core each), each learning from a replay filled once with no
 actors; the lines' schema and the ratios computed from the same round's launches; ``--env`` reaches every
 launch's record; per-step CPU time and context switches, and the 2-rank step's all-reduce split into waiting
-and the rest. No timing bounds: the figures are docs/performance.md's."""
+and the rest. ``--interleave``: the contenders launched once each and run in turn, each stopped while the others
+run. No timing bounds: the figures are docs/performance.md's."""
 
 from __future__ import annotations
 
@@ -60,3 +61,37 @@ def test_learner_only_round(tmp_path):
     assert sorted(r["contender"] for r in lines if r["kind"] == "learner_scaling") == [
         "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
 
+
+
+def test_interleaved_contenders_each_run_only_in_their_own_windows(tmp_path):
+    out = tmp_path / "d4pg.jsonl"
+    cmd = [sys.executable, str(harness.ROOT / "benchmarks" / "d4pg.py"), "--learner-only", "--interleave", "0.3",
+           "--cycles", "2", "--env", "HOROVOD_CYCLE_TIME=0.1", "--out", str(out)]
+    rc = harness.run_logged(cmd, tmp_path / "log", timeout=420)
+    assert rc == 0, (tmp_path / "log").read_text()[-4000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    learners = {r["contender"]: r for r in lines if r["kind"] == "learner_interleaved"}
+    assert sorted(learners) == ["1 rank", "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
+    for name, r in learners.items():
+        processes = 1 if name == "1 rank" else 2
+        # 2 windows of 0.3 s less 0.1 s settling each, at a learner step of a few ms: steps were counted ...
+        assert r["steps_counted"] > 0 and r["cycles"] == 2 and r["window_sec"] == 0.3, r
+        # ... and none ended while another contender had the machine: SIGSTOP held every process of this one.
+        assert r["steps_while_stopped"] == 0, r
+        assert r["transitions_per_sec"] == pytest.approx(r["steps_per_sec"] * r["per_replica_batch"] * processes,
+                                                         rel=1e-3)
+        # The steps counted in 2 windows of 0.2 s each, at the run's rate (the slower process's, for two).
+        assert r["steps_counted"] == pytest.approx(r["steps_per_sec"] * 2 * 0.2, abs=3), r
+        assert r["env"] == {"HOROVOD_CYCLE_TIME": "0.1"}, r
+        lo, hi = r["steps_per_sec_p10_p90"]
+        assert lo <= hi and 0 < r["step_ms_median"] <= r["step_ms_p90_p99"][0] <= r["step_ms_p90_p99"][1], r
+    one, apart = learners["1 rank"]["transitions_per_sec"], learners["2 x 1 rank apart"]["transitions_per_sec"]
+    scaling = {r["contender"]: r for r in lines if r["kind"] == "learner_interleaved_scaling"}
+    assert sorted(scaling) == ["2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
+    for name, r in scaling.items():
+        assert r["transitions_per_sec_2_over_1"] == pytest.approx(learners[name]["transitions_per_sec"] / one,
+                                                                  abs=1e-3), r
+        lo, hi = r["cycle_p10_p90_2_over_1"]
+        assert lo <= r["cycle_median_2_over_1"] <= hi, r
+        if name != "2 x 1 rank apart":
+            assert r["of_ceiling"] == pytest.approx(learners[name]["transitions_per_sec"] / apart, abs=1e-3), r
