@@ -16,16 +16,25 @@ from tests.multirank import harness
 
 pytestmark = [pytest.mark.multirank]
 
+CONTENDERS = ["1 rank", "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
 
-def test_learner_only_round(tmp_path):
+
+def _learner_only(tmp_path, *args: str) -> tuple[list[dict], dict[str, dict]]:
+    """benchmarks/d4pg.py --learner-only with ``args``: every line it wrote, and its per-contender lines by name."""
     out = tmp_path / "d4pg.jsonl"
-    cmd = [sys.executable, str(harness.ROOT / "benchmarks" / "d4pg.py"), "--learner-only", "--rounds", "1",
-           "--learner-steps", "5", "--env", "HOROVOD_CYCLE_TIME=0.1", "--out", str(out)]
+    cmd = [sys.executable, str(harness.ROOT / "benchmarks" / "d4pg.py"), "--learner-only", *args,
+           "--env", "HOROVOD_CYCLE_TIME=0.1", "--out", str(out)]
     rc = harness.run_logged(cmd, tmp_path / "log", timeout=420)
     assert rc == 0, (tmp_path / "log").read_text()[-4000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    learners = {r["contender"]: r for r in lines if r["kind"] == "learner"}
-    assert sorted(learners) == ["1 rank", "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
+    kind = "learner_interleaved" if "--interleave" in args else "learner"
+    learners = {r["contender"]: r for r in lines if r["kind"] == kind}
+    assert sorted(learners) == CONTENDERS
+    return lines, learners
+
+
+def test_learner_only_round(tmp_path):
+    lines, learners = _learner_only(tmp_path, "--rounds", "1", "--learner-steps", "5")
     for name, r in learners.items():
         assert r["rc"] == 0, r
         assert r["ranks"] == (1 if name == "1 rank" else 2)
@@ -62,16 +71,8 @@ def test_learner_only_round(tmp_path):
         "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
 
 
-
 def test_interleaved_contenders_each_run_only_in_their_own_windows(tmp_path):
-    out = tmp_path / "d4pg.jsonl"
-    cmd = [sys.executable, str(harness.ROOT / "benchmarks" / "d4pg.py"), "--learner-only", "--interleave", "0.3",
-           "--cycles", "2", "--env", "HOROVOD_CYCLE_TIME=0.1", "--out", str(out)]
-    rc = harness.run_logged(cmd, tmp_path / "log", timeout=420)
-    assert rc == 0, (tmp_path / "log").read_text()[-4000:]
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    learners = {r["contender"]: r for r in lines if r["kind"] == "learner_interleaved"}
-    assert sorted(learners) == ["1 rank", "2 ranks horovodrun", "2 ranks mpirun", "2 x 1 rank apart"]
+    lines, learners = _learner_only(tmp_path, "--interleave", "0.3", "--cycles", "2")
     for name, r in learners.items():
         processes = 1 if name == "1 rank" else 2
         # 2 windows of 0.3 s less 0.1 s settling each, at a learner step of a few ms: steps were counted ...
