@@ -484,7 +484,7 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
                 batch = marks[0]["per_replica_batch"]
                 for pid in pids[contender]:
                     os.kill(pid, signal.SIGSTOP)
-            windows: dict[str, list[tuple[int, float, float]]] = {c: [] for c in LEARNER_CONTENDERS}
+            windows: dict[str, list[tuple[float, float]]] = {c: [] for c in LEARNER_CONTENDERS}  # one per cycle
             for k in range(cycles):
                 for j in range(len(LEARNER_CONTENDERS)):
                     contender = LEARNER_CONTENDERS[(j + k) % len(LEARNER_CONTENDERS)]
@@ -495,7 +495,7 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
                     t1 = time.perf_counter()
                     for pid in pids[contender]:
                         os.kill(pid, signal.SIGSTOP)
-                    windows[contender].append((k, t0 + settle, t1))
+                    windows[contender].append((t0 + settle, t1))
             load1 = os.getloadavg()[0]
         finally:
             (folder / "stop").touch()
@@ -506,31 +506,37 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        ends = {c: [np.load(folder / f"{_tag(c)}.{i}.npy") for i in range(2 if c != "1 rank" else 1)]
-                for c in LEARNER_CONTENDERS}
+        ends = {}
+        for c in LEARNER_CONTENDERS:
+            files = [folder / f"{_tag(c)}.{i}.npy" for i in range(2 if c != "1 rank" else 1)]
+            if not all(f.exists() for f in files):
+                tails = "\n".join(log.read_text()[-2000:] for log in sorted(folder.glob(f"{_tag(c)}.*.log")))
+                raise RuntimeError(f"d4pg --interleave: {c!r} ended without writing its steps' times "
+                                   f"({[f.name for f in files if not f.exists()]} missing):\n{tails}")
+            ends[c] = [np.load(f) for f in files]
     records: list[dict[str, Any]] = []
     per_cycle: dict[str, np.ndarray] = {}
     for contender in LEARNER_CONTENDERS:
         counts = np.asarray([[np.count_nonzero((e > lo) & (e <= hi)) for e in ends[contender]]
-                             for _, lo, hi in windows[contender]], np.float64)  # windows x processes
-        seconds = np.asarray([hi - lo for _, lo, hi in windows[contender]])
+                             for lo, hi in windows[contender]], np.float64)  # windows x processes
+        seconds = np.asarray([hi - lo for lo, hi in windows[contender]])
         rates = (counts / seconds[:, None]).min(axis=1)
         per_cycle[contender] = rates
         procs_n = counts.shape[1]
         # Each step's time (consecutive ends inside one window), every process's pooled: the typical step, and the
         # slow tail that a rank waiting for the slower one once a step pays for, where two 1-rank learners do not.
         # Steps that ended while another contender ran (after its window's first 20 ms): 0 if SIGSTOP held them.
-        others = [(lo - settle + 0.02, hi) for c in LEARNER_CONTENDERS if c != contender for _, lo, hi in windows[c]]
+        others = [(lo - settle + 0.02, hi) for c in LEARNER_CONTENDERS if c != contender for lo, hi in windows[c]]
         stray = sum(int(np.count_nonzero((e > lo) & (e <= hi))) for e in ends[contender] for lo, hi in others)
         steps_ms = 1e3 * np.concatenate([np.diff(e[(e > lo) & (e <= hi)]) for e in ends[contender]
-                                         for _, lo, hi in windows[contender]])
+                                         for lo, hi in windows[contender]])
         whole = float((counts.sum(axis=0) / seconds.sum()).min())
         lockstep = {}
         if contender == APART:
             # The two learners' own steps, paired in order within each window, as if each waited for the other
             # once a step through an all-reduce that costs nothing: the rate a 2-rank learner would reach with
             # this machine's step-to-step variation and no communication at all.
-            paired = [np.diff(e[(e > lo) & (e <= hi)]) for _, lo, hi in windows[contender] for e in ends[contender]]
+            paired = [np.diff(e[(e > lo) & (e <= hi)]) for lo, hi in windows[contender] for e in ends[contender]]
             n = [min(len(a), len(b)) for a, b in zip(paired[::2], paired[1::2], strict=True)]
             waited = sum(float(np.maximum(a[:k], b[:k]).sum()) for a, b, k in zip(paired[::2], paired[1::2], n,
                                                                                   strict=True))
