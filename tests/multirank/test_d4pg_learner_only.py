@@ -81,8 +81,10 @@ def test_interleaved_contenders_each_run_only_in_their_own_windows(tmp_path):
         assert r["steps_while_stopped"] == 0, r
         assert r["transitions_per_sec"] == pytest.approx(r["steps_per_sec"] * r["per_replica_batch"] * processes,
                                                          rel=1e-3)
-        # The steps counted in 2 windows of 0.2 s each, at the run's rate (the slower process's, for two).
-        assert r["steps_counted"] == pytest.approx(r["steps_per_sec"] * 2 * 0.2, abs=3), r
+        # 2 windows of 0.2 s after settling, each as long as the controller's sleep took (longer on a loaded
+        # machine); the rate is the slower process's steps in them over that time.
+        assert 0.4 <= r["seconds_counted"] < 1.0, r
+        assert r["steps_counted"] == pytest.approx(r["steps_per_sec"] * r["seconds_counted"], abs=1), r
         assert r["env"] == {"HOROVOD_CYCLE_TIME": "0.1"}, r
         lo, hi = r["steps_per_sec_p10_p90"]
         assert lo <= hi and 0 < r["step_ms_median"] <= r["step_ms_p90_p99"][0] <= r["step_ms_p90_p99"][1], r
