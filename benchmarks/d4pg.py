@@ -523,11 +523,11 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
         rates = (counts / seconds[:, None]).min(axis=1)
         per_cycle[contender] = rates
         procs_n = counts.shape[1]
-        # Each step's time (consecutive ends inside one window), every process's pooled: the typical step, and the
-        # slow tail that a rank waiting for the slower one once a step pays for, where two 1-rank learners do not.
         # Steps that ended while another contender ran (after its window's first 20 ms): 0 if SIGSTOP held them.
         others = [(lo - settle + 0.02, hi) for c in LEARNER_CONTENDERS if c != contender for lo, hi in windows[c]]
         stray = sum(int(np.count_nonzero((e > lo) & (e <= hi))) for e in ends[contender] for lo, hi in others)
+        # Each step's time (consecutive ends inside one window), every process's pooled: the typical step, and the
+        # slow tail that a rank waiting for the slower one once a step pays for, where two 1-rank learners do not.
         steps_ms = 1e3 * np.concatenate([np.diff(e[(e > lo) & (e <= hi)]) for e in ends[contender]
                                          for lo, hi in windows[contender]])
         whole = float((counts.sum(axis=0) / seconds.sum()).min())
@@ -614,7 +614,7 @@ def main() -> int:
                         f"{args.cycles}; e.g. --interleave 1 --cycles 20")
             records += learner_interleaved(args.interleave, args.cycles, args.settings, args.timeout, extra_env)
         else:
-                records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout, extra_env)
+            records += learner_only(args.rounds, args.learner_steps, args.settings, args.timeout, extra_env)
     elif args.stall:
         # A replay of 4000 rows per rank (16 s of one actor's 250 steps/s): with its actors running, its samples'
         # age stays level, so the stall's rise shows (the default 200,000 rows grow older all run long).
