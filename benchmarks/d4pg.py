@@ -85,6 +85,18 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
 
 
+def _learner_env(extra_env: dict[str, str] | None) -> dict[str, str]:
+    """The learner-only launches' environment: one TensorFlow thread per pool (a rank has one core), Open MPI
+    allowed to run as root, then ``extra_env``."""
+    return {**_env(), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})}
+
+
+def _within(ends, lo: float, hi: float):
+    """The step-end times in ``ends`` (a numpy array) that fall in the window (lo, hi]."""
+    return ends[(ends > lo) & (ends <= hi)]
+
+
 def one_run(ranks: int, actors: int, steps: int, extra: list[str], timeout: float, keep: Path | None,
             stall: bool = False) -> dict[str, Any]:
     """One training run: its metrics lines, exit code, load; with ``stall``, rank 0's actors stopped 10 s."""
@@ -401,8 +413,7 @@ def learner_only(rounds: int, steps: int, settings: list[str], timeout: float,
                  extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """``rounds`` rounds of the three contenders in turn; a ``learner`` line per launch, ``learner_scaling``
     per round and 2-rank launcher. ``extra_env``: variables set in every launch."""
-    env = {**_env(), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})}
+    env = _learner_env(extra_env)
     records: list[dict[str, Any]] = []
     for r in range(rounds):
         got: dict[str, dict[str, Any]] = {}
@@ -451,8 +462,7 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
     10th-90th percentiles, and the ratio of the whole run's rates."""
     import numpy as np
 
-    env = {**_env(), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})}
+    env = _learner_env(extra_env)
     with tempfile.TemporaryDirectory(prefix="d4pg-interleave-") as tmp:
         folder = Path(tmp)
         procs: list[subprocess.Popen] = []
@@ -517,7 +527,7 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
     records: list[dict[str, Any]] = []
     per_cycle: dict[str, np.ndarray] = {}
     for contender in LEARNER_CONTENDERS:
-        counts = np.asarray([[np.count_nonzero((e > lo) & (e <= hi)) for e in ends[contender]]
+        counts = np.asarray([[len(_within(e, lo, hi)) for e in ends[contender]]
                              for lo, hi in windows[contender]], np.float64)  # windows x processes
         seconds = np.asarray([hi - lo for lo, hi in windows[contender]])
         rates = (counts / seconds[:, None]).min(axis=1)
@@ -525,10 +535,10 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
         procs_n = counts.shape[1]
         # Steps that ended while another contender ran (after its window's first 20 ms): 0 if SIGSTOP held them.
         others = [(lo - settle + 0.02, hi) for c in LEARNER_CONTENDERS if c != contender for lo, hi in windows[c]]
-        stray = sum(int(np.count_nonzero((e > lo) & (e <= hi))) for e in ends[contender] for lo, hi in others)
+        stray = sum(len(_within(e, lo, hi)) for e in ends[contender] for lo, hi in others)
         # Each step's time (consecutive ends inside one window), every process's pooled: the typical step, and the
         # slow tail that a rank waiting for the slower one once a step pays for, where two 1-rank learners do not.
-        steps_ms = 1e3 * np.concatenate([np.diff(e[(e > lo) & (e <= hi)]) for e in ends[contender]
+        steps_ms = 1e3 * np.concatenate([np.diff(_within(e, lo, hi)) for e in ends[contender]
                                          for lo, hi in windows[contender]])
         whole = float((counts.sum(axis=0) / seconds.sum()).min())
         lockstep = {}
@@ -536,7 +546,7 @@ def learner_interleaved(window: float, cycles: int, settings: list[str], timeout
             # The two learners' own steps, paired in order within each window, as if each waited for the other
             # once a step through an all-reduce that costs nothing: the rate a 2-rank learner would reach with
             # this machine's step-to-step variation and no communication at all.
-            paired = [np.diff(e[(e > lo) & (e <= hi)]) for lo, hi in windows[contender] for e in ends[contender]]
+            paired = [np.diff(_within(e, lo, hi)) for lo, hi in windows[contender] for e in ends[contender]]
             n = [min(len(a), len(b)) for a, b in zip(paired[::2], paired[1::2], strict=True)]
             waited = sum(float(np.maximum(a[:k], b[:k]).sum()) for a, b, k in zip(paired[::2], paired[1::2], n,
                                                                                   strict=True))
