@@ -106,3 +106,40 @@ hvrep_repeated_failure() {
 hvrep_forget_failure() {
   rm -f "$1/$HVREP_FAILURE_FILE"
 }
+
+# srun "$@", started again when a rank crashed inside MPI_Init, at most MPI_INIT_RETRIES times (default 2).
+# Open MPI 5.0 under srun --mpi=pmix crashes one rank there in a few percent of starts, at random: a start-up
+# race (docs/slurm-multi-node.md, "MPI_Init crash under srun"). Such a start has done nothing yet (MPI starts
+# before hvrep reads a checkpoint or writes an event), so it is started again in the same allocation, on the same
+# nodes. What tells it: srun failed, and its output has a segmentation fault and an MPI_Init frame in the stack
+# Open MPI prints. Any other failure returns srun's exit code at once. srun's stdout goes to this function's
+# stdout, its stderr to this function's stderr and, when HVREP_SRUN_ERRS names a file, to that file as well
+# (the last start's).
+hvrep_srun() {
+  local errs=${HVREP_SRUN_ERRS:-} own="" status attempt=0 retries=${MPI_INIT_RETRIES:-2} errexit=""
+  [[ $- == *e* ]] && errexit=1
+  if [[ -z $errs ]]; then
+    errs=$(mktemp "${TMPDIR:-/tmp}/hvrep-srun-stderr.XXXXXX")
+    own=1
+  fi
+  while true; do
+    : >"$errs"
+    set +e
+    { srun "$@" 2>&1 1>&3 3>&- | tee -a "$errs" 1>&2 3>&-; } 3>&1
+    status=${PIPESTATUS[0]}
+    [[ -n $errexit ]] && set -e
+    if [[ $status -eq 0 ]] || ((attempt >= retries)) || ! hvrep_mpi_init_crashed "$errs"; then
+      break
+    fi
+    attempt=$((attempt + 1))
+    echo "hvrep: a rank crashed inside MPI_Init (srun exited ${status}; Open MPI's start-up race under srun, see docs/slurm-multi-node.md); nothing ran yet, starting the ranks again (${attempt} of ${retries}, MPI_INIT_RETRIES)" >&2
+  done
+  [[ -n $own ]] && rm -f "$errs"
+  return "$status"
+}
+
+# Whether srun's output (FILE) shows a rank that crashed inside MPI_Init: Open MPI's report of a segmentation
+# fault with an MPI_Init frame (PMPI_Init_thread, PMPI_Init) in its stack.
+hvrep_mpi_init_crashed() {
+  grep -q "Segmentation fault" "$1" && grep -q "MPI_Init" "$1"
+}
