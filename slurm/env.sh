@@ -139,7 +139,8 @@ hvrep_srun() {
 }
 
 # Whether srun's output (FILE) shows a rank that crashed inside MPI_Init: Open MPI's report of a segmentation
-# fault with an MPI_Init frame (PMPI_Init_thread, PMPI_Init) in its stack.
+# fault with an MPI_Init frame in its stack ("libmpi.so.40(PMPI_Init_thread+0xbf)"; MPI_Init_thread itself
+# where a library stands in front of it). A message that merely names MPI_Init is not a stack frame.
 hvrep_mpi_init_crashed() {
-  grep -q "Segmentation fault" "$1" && grep -q "MPI_Init" "$1"
+  grep -q "Segmentation fault" "$1" && grep -qE '[(]P?MPI_Init(_thread)?[+]0x' "$1"
 }
